@@ -1,0 +1,25 @@
+"""qkrope: fused GPU kernels for the attention prologue of Qwen3-style models.
+
+``fused_rope_with_qk_norm_and_kv_cache_update`` does per-head RMSNorm on Q and K, NeoX rotary
+embedding on both, and the K/V cache write in one kernel launch; ``reference`` is the pure
+PyTorch oracle with the same arguments and rounding points.
+"""
+
+from . import _interpret  # noqa: F401  (must run before any Triton kernel is defined)
+from .ops.qknorm_rope_cache import (
+    fused_rope_with_qk_norm_and_kv_cache_update,
+    qknorm_rope_cache_ref,
+)
+
+reference = qknorm_rope_cache_ref
+#: The benchmark's calling convention: ``run(query, key, value, ..., rms_norm_eps)``.
+run = fused_rope_with_qk_norm_and_kv_cache_update
+
+try:
+    from importlib.metadata import version as _version
+
+    __version__ = _version("qkrope")
+except Exception:  # pragma: no cover - source tree without installed metadata
+    __version__ = "0+unknown"
+
+__all__ = ["fused_rope_with_qk_norm_and_kv_cache_update", "reference", "run", "__version__"]

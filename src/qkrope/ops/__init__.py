@@ -1,0 +1,2 @@
+"""One folder per op: ``reference.py`` (the oracle), ``kernel.py`` (Triton), ``launcher.py``
+(checks + launch)."""

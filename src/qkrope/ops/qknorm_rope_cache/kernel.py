@@ -1,0 +1,159 @@
+"""Triton kernel: per-head RMSNorm on Q and K, NeoX RoPE, and the K/V cache row write, one launch.
+
+Work split: a program owns a tile of ``BLOCK_H`` heads x ``BLOCK_S`` tokens of one batch element.
+Programs with ``pid_h < cdiv(Hq, BLOCK_H)`` handle query heads; the rest handle key/value heads
+and also write the new K and V rows into the caches. cos/sin are computed once per program for
+its ``BLOCK_S`` tokens and shared by all heads of the tile. Rows are processed as two halves of
+``D/2`` so the rotate-half pairs line up element by element in registers.
+
+Interpreter (``TRITON_INTERPRET=1``) rules followed here: loads are upcast to fp32 at once and all
+arithmetic is fp32; every store is masked; libdevice is only reached behind the ``INTERPRETER``
+constexpr, which also swaps in an exact bf16 rounding (the interpreter's fp32->bf16 cast
+truncates, while the GPU's rounds to nearest even, as PyTorch does).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+
+@triton.jit
+def _offsets(b, h, s, d, stride_b, stride_h, stride_s, stride_d):
+    """int64 element offsets of ``[b, h, s, d]`` through real strides (caches exceed 2**31)."""
+    return (
+        b.to(tl.int64) * stride_b
+        + h.to(tl.int64) * stride_h
+        + s.to(tl.int64) * stride_s
+        + d.to(tl.int64) * stride_d
+    )
+
+
+@triton.jit
+def _round(x, DT: tl.constexpr, INTERPRETER: tl.constexpr):
+    """Round fp32 ``x`` to ``DT`` (nearest even) and return it as fp32: one SPEC rounding point."""
+    if INTERPRETER and DT == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(DT).to(tl.float32)
+
+
+@triton.jit
+def _rope_cos_sin(
+    pos_ptr, inv_freq_ptr, b, s_idx, s_mask, stride_pos_b, stride_pos_s, stride_inv_freq,
+    OUT_DTYPE: tl.constexpr, HALF: tl.constexpr, INTERPRETER: tl.constexpr,
+):
+    """[BLOCK_S, HALF] cos/sin as fp32 holding values rounded to ``OUT_DTYPE`` (SPEC step 2)."""
+    pos = tl.load(pos_ptr + b.to(tl.int64) * stride_pos_b + s_idx.to(tl.int64) * stride_pos_s,
+                  mask=s_mask, other=0)
+    inv = tl.load(inv_freq_ptr + tl.arange(0, HALF) * stride_inv_freq).to(tl.float32)
+    angle = pos.to(tl.float32)[:, None] * inv[None, :]
+    if INTERPRETER:
+        cos = tl.cos(angle)
+        sin = tl.sin(angle)
+    else:
+        # Angles reach 2**18 rad: the hardware sin/cos approximations are wrong there, the
+        # libdevice versions do full range reduction (the same code torch's CUDA cos runs).
+        cos = libdevice.cos(angle)
+        sin = libdevice.sin(angle)
+    return _round(cos, OUT_DTYPE, INTERPRETER), _round(sin, OUT_DTYPE, INTERPRETER)
+
+
+@triton.jit
+def _norm_rope(x_ptr, x_off, x_half_step, mask, w_ptr, stride_w, cos, sin, eps,
+               HALF: tl.constexpr, INTERPRETER: tl.constexpr):
+    """RMSNorm + NeoX rotation of a [BLOCK_H, BLOCK_S, HALF]-halved tile; returns both halves.
+
+    Rounding points follow SPEC §1: one rounding after the fp32 weight multiply, one after each
+    rotation product and one after each sum.
+    """
+    DT = x_ptr.dtype.element_ty
+    x1 = tl.load(x_ptr + x_off, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + x_off + x_half_step, mask=mask, other=0.0).to(tl.float32)
+    d = tl.arange(0, HALF)
+    w1 = tl.load(w_ptr + d * stride_w).to(tl.float32)[None, None, :]
+    w2 = tl.load(w_ptr + (d + HALF) * stride_w).to(tl.float32)[None, None, :]
+    # 1/D is a power of two for every supported head_dim, so this equals torch's sum * (1/D).
+    mean_sq = (tl.sum(x1 * x1, axis=2) + tl.sum(x2 * x2, axis=2)) * (0.5 / HALF)
+    rstd = tl.math.rsqrt(mean_sq + eps)[:, :, None]
+    n1 = _round(w1 * (x1 * rstd), DT, INTERPRETER)
+    n2 = _round(w2 * (x2 * rstd), DT, INTERPRETER)
+    o1 = _round(n1 * cos, DT, INTERPRETER) - _round(n2 * sin, DT, INTERPRETER)
+    o2 = _round(n2 * cos, DT, INTERPRETER) + _round(n1 * sin, DT, INTERPRETER)
+    # The final cast is exact once _round has run, so the interpreter's truncating cast is safe.
+    return _round(o1, DT, INTERPRETER).to(DT), _round(o2, DT, INTERPRETER).to(DT)
+
+
+@triton.jit
+def qknorm_rope_cache_kernel(
+    q_ptr, k_ptr, v_ptr, pos_ptr, k_cache_ptr, v_cache_ptr, cache_pos_ptr,
+    q_w_ptr, k_w_ptr, inv_freq_ptr, q_out_ptr, k_out_ptr,
+    eps, S, Hq, Hkv, L,
+    stride_q_b, stride_q_h, stride_q_s, stride_q_d,
+    stride_k_b, stride_k_h, stride_k_s, stride_k_d,
+    stride_v_b, stride_v_h, stride_v_s, stride_v_d,
+    stride_qo_b, stride_qo_h, stride_qo_s, stride_qo_d,
+    stride_ko_b, stride_ko_h, stride_ko_s, stride_ko_d,
+    stride_kc_b, stride_kc_h, stride_kc_l, stride_kc_d,
+    stride_vc_b, stride_vc_h, stride_vc_l, stride_vc_d,
+    stride_pos_b, stride_pos_s, stride_cache_pos, stride_q_w, stride_k_w, stride_inv_freq,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
+    INTERPRETER: tl.constexpr,
+):
+    """Grid: (cdiv(S, BLOCK_S), cdiv(Hq, BLOCK_H) + cdiv(Hkv, BLOCK_H), B).
+
+    Aliasing contract: every element a program stores was loaded by that same program first,
+    so ``q_out`` may be ``q`` itself (and ``k_out`` ``k``); nothing else may overlap.
+    """
+    pid_s = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    b = tl.program_id(2)
+    eps = tl.cast(eps, tl.float32)
+
+    s_idx = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
+    s_mask = s_idx < S
+    cos, sin = _rope_cos_sin(pos_ptr, inv_freq_ptr, b, s_idx, s_mask, stride_pos_b, stride_pos_s,
+                             stride_inv_freq, q_ptr.dtype.element_ty, HALF, INTERPRETER)
+    cos = cos[None, :, :]
+    sin = sin[None, :, :]
+
+    s3 = s_idx[None, :, None]
+    d3 = tl.arange(0, HALF)[None, None, :]
+    h_local = tl.arange(0, BLOCK_H)[:, None, None]
+    n_q_blocks = tl.cdiv(Hq, BLOCK_H)
+
+    if pid_h < n_q_blocks:
+        h = pid_h * BLOCK_H + h_local
+        mask = (h < Hq) & (s3 < S)
+        x_off = _offsets(b, h, s3, d3, stride_q_b, stride_q_h, stride_q_s, stride_q_d)
+        o1, o2 = _norm_rope(q_ptr, x_off, HALF * stride_q_d, mask, q_w_ptr, stride_q_w,
+                            cos, sin, eps, HALF, INTERPRETER)
+        o_off = _offsets(b, h, s3, d3, stride_qo_b, stride_qo_h, stride_qo_s, stride_qo_d)
+        tl.store(q_out_ptr + o_off, o1, mask=mask)
+        tl.store(q_out_ptr + o_off + HALF * stride_qo_d, o2, mask=mask)
+    else:
+        h = (pid_h - n_q_blocks) * BLOCK_H + h_local
+        mask = (h < Hkv) & (s3 < S)
+        x_off = _offsets(b, h, s3, d3, stride_k_b, stride_k_h, stride_k_s, stride_k_d)
+        o1, o2 = _norm_rope(k_ptr, x_off, HALF * stride_k_d, mask, k_w_ptr, stride_k_w,
+                            cos, sin, eps, HALF, INTERPRETER)
+        o_off = _offsets(b, h, s3, d3, stride_ko_b, stride_ko_h, stride_ko_s, stride_ko_d)
+        tl.store(k_out_ptr + o_off, o1, mask=mask)
+        tl.store(k_out_ptr + o_off + HALF * stride_ko_d, o2, mask=mask)
+
+        # Cache rows outside [0, L) (e.g. -1 padding) are skipped, never written out of bounds.
+        row = tl.load(cache_pos_ptr + s_idx.to(tl.int64) * stride_cache_pos, mask=s_mask, other=-1)
+        row3 = row[None, :, None]
+        row_mask = mask & (row3 >= 0) & (row3 < L)
+        kc_off = _offsets(b, h, row3, d3, stride_kc_b, stride_kc_h, stride_kc_l, stride_kc_d)
+        tl.store(k_cache_ptr + kc_off, o1, mask=row_mask)
+        tl.store(k_cache_ptr + kc_off + HALF * stride_kc_d, o2, mask=row_mask)
+
+        d_full = tl.arange(0, 2 * HALF)[None, None, :]
+        v_off = _offsets(b, h, s3, d_full, stride_v_b, stride_v_h, stride_v_s, stride_v_d)
+        v = tl.load(v_ptr + v_off, mask=mask, other=0.0)
+        vc_off = _offsets(b, h, row3, d_full, stride_vc_b, stride_vc_h, stride_vc_l, stride_vc_d)
+        tl.store(v_cache_ptr + vc_off, v, mask=row_mask)

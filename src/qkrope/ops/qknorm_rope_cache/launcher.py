@@ -1,0 +1,237 @@
+"""Host side of the fused op: argument checks, tile choice, and the single kernel launch."""
+
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+
+import torch
+import triton
+
+from ..._interpret import interpreting
+from .kernel import qknorm_rope_cache_kernel
+from .reference import valid_cache_rows
+
+__all__ = ["fused_rope_with_qk_norm_and_kv_cache_update", "check_inputs", "TileConfig", "pick_config"]
+
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+ACTIVATION_DTYPES = (torch.bfloat16, torch.float16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+# --------------------------------------------------------------------------------------------
+# argument checks
+# --------------------------------------------------------------------------------------------
+def _tensor(name: str, x, rank: int, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != rank:
+        raise ValueError(f"{name} must have rank {rank}, got shape {tuple(x.shape)}")
+    if x.dtype not in dtypes:
+        want = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise TypeError(f"{name} must be {want}, got {str(x.dtype).removeprefix('torch.')}")
+    return x
+
+
+def _shape(name: str, x: torch.Tensor, expected: tuple[int, ...], what: str) -> None:
+    if tuple(x.shape) != expected:
+        raise ValueError(f"{name} must have shape {list(expected)} ({what}), got {list(x.shape)}")
+
+
+def check_inputs(
+    query, key, value, position_ids, key_cache, value_cache, cache_position,
+    q_norm_weight, k_norm_weight, inv_freq, rms_norm_eps,
+) -> tuple[int, int, int, int, int, int]:
+    """Validate the eleven op arguments; return ``(B, Hq, Hkv, S, D, L)``.
+
+    Raises ``TypeError`` for a wrong type or dtype and ``ValueError`` for a wrong rank, shape,
+    device or value, each naming the argument and what was expected.
+    """
+    _tensor("query", query, 4, ACTIVATION_DTYPES)
+    act = query.dtype
+    for name, x in (("key", key), ("value", value), ("key_cache", key_cache),
+                    ("value_cache", value_cache)):
+        _tensor(name, x, 4, (act,))
+    _tensor("position_ids", position_ids, 2, INDEX_DTYPES)
+    _tensor("cache_position", cache_position, 1, INDEX_DTYPES)
+    _tensor("q_norm_weight", q_norm_weight, 1, (act,))
+    _tensor("k_norm_weight", k_norm_weight, 1, (act,))
+    _tensor("inv_freq", inv_freq, 1, (torch.float32,))
+    if isinstance(rms_norm_eps, bool) or not isinstance(rms_norm_eps, numbers.Real):
+        raise TypeError(f"rms_norm_eps must be a Python float, got {type(rms_norm_eps).__name__}")
+    if not (math.isfinite(rms_norm_eps) and rms_norm_eps >= 0):
+        raise ValueError(f"rms_norm_eps must be finite and >= 0, got {rms_norm_eps}")
+
+    B, Hq, S, D = query.shape
+    Hkv = key.shape[1]
+    if D not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"query head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {D}")
+    if B < 1 or S < 1 or Hq < 1 or Hkv < 1:
+        raise ValueError(f"query/key must be non-empty, got query {list(query.shape)}, "
+                         f"key {list(key.shape)}")
+    if Hq % Hkv:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of key heads ({Hkv})")
+    _shape("key", key, (B, Hkv, S, D), "[B, Hkv, S, D] matching query's B, S, D")
+    _shape("value", value, (B, Hkv, S, D), "[B, Hkv, S, D] like key")
+    L = key_cache.shape[2]
+    _shape("key_cache", key_cache, (B, Hkv, L, D), "[B, Hkv, L, D] matching key's B, Hkv, D")
+    _shape("value_cache", value_cache, tuple(key_cache.shape), "the shape of key_cache")
+    if position_ids.shape[0] not in (1, B) or position_ids.shape[1] != S:
+        raise ValueError(f"position_ids must have shape [{B}, {S}] or [1, {S}] ([B, S]), "
+                         f"got {list(position_ids.shape)}")
+    _shape("cache_position", cache_position, (S,), "[S]")
+    _shape("q_norm_weight", q_norm_weight, (D,), "[D]")
+    _shape("k_norm_weight", k_norm_weight, (D,), "[D]")
+    _shape("inv_freq", inv_freq, (D // 2,), "[D/2]")
+
+    device = query.device
+    for name, x in (("key", key), ("value", value), ("position_ids", position_ids),
+                    ("key_cache", key_cache), ("value_cache", value_cache),
+                    ("cache_position", cache_position), ("q_norm_weight", q_norm_weight),
+                    ("k_norm_weight", k_norm_weight), ("inv_freq", inv_freq)):
+        if x.device != device:
+            raise ValueError(f"{name} is on {x.device} but query is on {device}: all inputs must "
+                             "be on one device")
+    if device.type != "cuda" and not interpreting():
+        raise ValueError(f"the fused kernel needs CUDA tensors, got query on {device}; use "
+                         "qkrope.reference on CPU, or set TRITON_INTERPRET=1 before importing "
+                         "qkrope to run the kernel in Triton's interpreter")
+    return B, Hq, Hkv, S, D, L
+
+
+def _check_out(name: str, out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(out).__name__}")
+    if tuple(out.shape) != tuple(like.shape):
+        raise ValueError(f"{name} must have shape {list(like.shape)}, got {list(out.shape)}")
+    if out.dtype != like.dtype:
+        raise TypeError(f"{name} must be {like.dtype}, got {out.dtype}")
+    if out.device != like.device:
+        raise ValueError(f"{name} must be on {like.device}, got {out.device}")
+    return out
+
+
+def _check_cache_position_range(cache_position: torch.Tensor, L: int) -> None:
+    bad = ~valid_cache_rows(cache_position, L)
+    if bool(bad.any()):  # host sync: only on request
+        first = int(cache_position[bad][0])
+        raise ValueError(f"cache_position holds {first}, outside the cache [0, {L}) "
+                         "(validate=True raises instead of skipping such rows)")
+
+
+# --------------------------------------------------------------------------------------------
+# tiling
+# --------------------------------------------------------------------------------------------
+class TileConfig(tuple):
+    """``(BLOCK_H, BLOCK_S, num_warps)`` for one problem shape."""
+
+    __slots__ = ()
+
+    def __new__(cls, block_h: int, block_s: int, num_warps: int):
+        return super().__new__(cls, (block_h, block_s, num_warps))
+
+    block_h = property(lambda self: self[0])
+    block_s = property(lambda self: self[1])
+    num_warps = property(lambda self: self[2])
+
+
+# Elements per tile: ~16 KiB of bf16 per tile keeps registers in bounds at head_dim 256.
+_TILE_ELEMS = 8192
+
+
+@functools.lru_cache(maxsize=1024)
+def pick_config(B: int, Hq: int, Hkv: int, S: int, D: int, interpret: bool) -> TileConfig:
+    """Tile shape for a problem; cached per shape so the hot path does no search."""
+    block_s = min(triton.next_power_of_2(S), 16)
+    block_h = max(1, min(triton.next_power_of_2(Hq), _TILE_ELEMS // (block_s * D)))
+    if interpret:
+        # ~5 ms per program instance in the interpreter: fewer, larger programs.
+        block_s = min(triton.next_power_of_2(S), 64)
+        block_h = triton.next_power_of_2(Hq)
+    num_warps = 4 if block_h * block_s * D >= 4096 else 2
+    return TileConfig(block_h, block_s, num_warps)
+
+
+# --------------------------------------------------------------------------------------------
+# public entry point
+# --------------------------------------------------------------------------------------------
+def fused_rope_with_qk_norm_and_kv_cache_update(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    position_ids: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    cache_position: torch.Tensor,
+    q_norm_weight: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    inv_freq: torch.Tensor,
+    rms_norm_eps: float,
+    *,
+    inplace: bool = True,
+    query_out: torch.Tensor | None = None,
+    key_out: torch.Tensor | None = None,
+    validate: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm on Q and K, NeoX RoPE on both, and the K/V cache write, in one launch.
+
+    Args:
+        query: [B, Hq, S, D] bf16 or fp16, any strides (e.g. a view of a fused QKV projection).
+        key: [B, Hkv, S, D], dtype of ``query``; ``Hq % Hkv == 0``; D in {64, 128, 256}.
+        value: [B, Hkv, S, D], dtype of ``query``; copied unchanged into ``value_cache``.
+        position_ids: [B, S] int32/int64 rotary positions; [1, S] and expanded views (batch
+            stride 0) are accepted.
+        key_cache, value_cache: [B, Hkv, L, D], dtype of ``query``, identical shapes.
+        cache_position: [S] int32/int64, the cache row each token's K/V goes to (same for every
+            batch element). Rows outside ``[0, L)`` are skipped: -1 is the usual padding marker.
+            If two tokens name the same row, the row ends up holding one of them, unspecified
+            which (as with ``index_copy_`` on CUDA).
+        q_norm_weight, k_norm_weight: [D], dtype of ``query``.
+        inv_freq: [D/2] float32 rotary inverse frequencies.
+        rms_norm_eps: RMSNorm epsilon (Python float).
+        inplace: True (default) writes the S rows into ``key_cache``/``value_cache`` and returns
+            those same tensors: one launch, no cache copy. False leaves them untouched and returns
+            fresh copies with the rows written (costs a full copy of both caches).
+        query_out, key_out: optional preallocated outputs ([B, Hq, S, D] / [B, Hkv, S, D], dtype
+            of ``query``, any strides) for allocation-free calls (CUDA graphs). ``query_out`` may
+            be ``query`` itself (and ``key_out`` ``key``); no other overlap is allowed.
+        validate: also raise ``ValueError`` when ``cache_position`` leaves ``[0, L)`` (costs a
+            host sync, so it is off by default and such rows are skipped silently).
+
+    Returns:
+        ``(query_rotated, key_rotated, key_cache_out, value_cache_out)``.
+    """
+    B, Hq, Hkv, S, D, L = check_inputs(query, key, value, position_ids, key_cache, value_cache,
+                                       cache_position, q_norm_weight, k_norm_weight, inv_freq,
+                                       rms_norm_eps)
+    if query_out is None:
+        query_out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    else:
+        _check_out("query_out", query_out, query)
+    if key_out is None:
+        key_out = torch.empty_like(key, memory_format=torch.contiguous_format)
+    else:
+        _check_out("key_out", key_out, key)
+    if validate:
+        _check_cache_position_range(cache_position, L)
+    if not inplace:
+        key_cache, value_cache = key_cache.clone(), value_cache.clone()
+
+    pos = position_ids.expand(B, S)
+    interpret = interpreting()
+    block_h, block_s, num_warps = pick_config(B, Hq, Hkv, S, D, interpret)
+    grid = (triton.cdiv(S, block_s), triton.cdiv(Hq, block_h) + triton.cdiv(Hkv, block_h), B)
+    qknorm_rope_cache_kernel[grid](
+        query, key, value, pos, key_cache, value_cache, cache_position,
+        q_norm_weight, k_norm_weight, inv_freq, query_out, key_out,
+        float(rms_norm_eps), S, Hq, Hkv, L,
+        *query.stride(), *key.stride(), *value.stride(),
+        *query_out.stride(), *key_out.stride(),
+        *key_cache.stride(), *value_cache.stride(),
+        *pos.stride(), cache_position.stride(0), q_norm_weight.stride(0),
+        k_norm_weight.stride(0), inv_freq.stride(0),
+        HALF=D // 2, BLOCK_H=block_h, BLOCK_S=block_s, INTERPRETER=interpret,
+        num_warps=num_warps,
+    )
+    return query_out, key_out, key_cache, value_cache
