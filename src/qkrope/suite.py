@@ -1,0 +1,158 @@
+"""The 13-workload suite of SPEC.md §2: geometries, input construction and the correctness rule."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "Workload", "SUITE", "ModelGeometry", "MODELS", "DEFAULT_MODEL", "OpInputs", "make_inputs",
+    "rope_inv_freq", "TensorCheck", "check_outputs", "bytes_moved",
+]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One benchmark shape: S new tokens at cache offset C for B sequences, checked at ``atol``."""
+
+    seq_len: int
+    cache_len: int
+    batch: int
+    atol: float = 1e-5
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq_len
+
+    @property
+    def name(self) -> str:
+        return f"S={self.seq_len} C={self.cache_len} B={self.batch}"
+
+
+SUITE: tuple[Workload, ...] = (
+    Workload(1, 0, 1, 1e-5),
+    Workload(1, 2048, 4, 1e-5),
+    Workload(128, 0, 1, 1e-5),
+    Workload(128, 0, 2, 1.3e-3),
+    Workload(128, 0, 8, 2e-3),
+    Workload(256, 128, 1, 4.9e-3),
+    Workload(256, 1024, 8, 5.6e-3),
+    Workload(293, 131, 1, 2.9e-3),
+    Workload(512, 256, 2, 4.4e-3),
+    Workload(541, 0, 1, 4.6e-3),
+    Workload(1024, 512, 1, 4.5e-3),
+    Workload(2048, 0, 1, 3.4e-3),
+    Workload(4096, 2048, 1, 9.8e-3),
+)
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    """Attention-head geometry and RoPE/norm constants of a model family."""
+
+    name: str
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 1e7
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 262144
+
+
+MODELS: dict[str, ModelGeometry] = {
+    m.name: m
+    for m in (
+        ModelGeometry("qwen3-coder-480b", 96, 8, 128, 1e7, 1e-6, 262144),
+        ModelGeometry("qwen3-235b", 64, 4, 128, 1e6, 1e-6, 40960),
+        ModelGeometry("qwen3-8b", 32, 8, 128, 1e6, 1e-6, 40960),
+        ModelGeometry("qwen3-0.6b", 16, 8, 128, 1e6, 1e-6, 40960),
+    )
+}
+DEFAULT_MODEL = MODELS["qwen3-coder-480b"]
+
+
+def rope_inv_freq(head_dim: int, theta: float, device=None) -> torch.Tensor:
+    """[D/2] fp32 ``1 / theta ** (arange(0, D, 2) / D)``, as HF's default RoPE init computes it."""
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    return 1.0 / (theta ** exponent)
+
+
+OpInputs = tuple  # the eleven op arguments, in the op's (and the benchmark's) order
+
+
+def make_inputs(
+    workload: Workload,
+    geometry: ModelGeometry = DEFAULT_MODEL,
+    *,
+    device: str | torch.device = "cuda",
+    dtype: torch.dtype = torch.bfloat16,
+    cache_capacity: int | None = None,
+    benchmark_weights: bool = False,
+    generator: torch.Generator | None = None,
+) -> OpInputs:
+    """Build the eleven op arguments for ``workload`` as SPEC.md §2 describes.
+
+    q/k/v and both caches are ``randn``; ``position_ids`` is ``arange(C, C+S)`` expanded over the
+    batch (batch stride 0); ``cache_position`` the same rows. Norm weights are random
+    (``1 + 0.5 * randn``) unless ``benchmark_weights`` asks for the benchmark's all-ones.
+    ``cache_capacity`` (L) defaults to the model's ``max_position_embeddings``.
+    """
+    B, S, C = workload.batch, workload.seq_len, workload.cache_len
+    Hq, Hkv, D = geometry.num_q_heads, geometry.num_kv_heads, geometry.head_dim
+    L = cache_capacity or geometry.max_position_embeddings
+    if C + S > L:
+        raise ValueError(f"workload {workload.name} needs {C + S} cache rows, capacity is {L}")
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator, device=device, dtype=dtype)
+
+    query, key, value = randn(B, Hq, S, D), randn(B, Hkv, S, D), randn(B, Hkv, S, D)
+    key_cache, value_cache = randn(B, Hkv, L, D), randn(B, Hkv, L, D)
+    rows = torch.arange(C, C + S, device=device, dtype=torch.int64)
+    position_ids = rows[None, :].expand(B, S)
+    if benchmark_weights:
+        q_w = torch.ones(D, device=device, dtype=dtype)
+        k_w = torch.ones(D, device=device, dtype=dtype)
+    else:
+        q_w, k_w = 1 + 0.5 * randn(D), 1 + 0.5 * randn(D)
+    inv_freq = rope_inv_freq(D, geometry.rope_theta, device=device)
+    return (query, key, value, position_ids, key_cache, value_cache, rows, q_w, k_w, inv_freq,
+            geometry.rms_norm_eps)
+
+
+@dataclass(frozen=True)
+class TensorCheck:
+    """SPEC §2 rule for one output tensor."""
+
+    name: str
+    match_fraction: float
+    max_abs_err: float
+    finite: bool
+
+    @property
+    def ok(self) -> bool:
+        return self.finite and self.match_fraction >= 0.99
+
+
+OUTPUT_NAMES = ("query_rotated", "key_rotated", "key_cache_out", "value_cache_out")
+
+
+def check_outputs(outputs, reference, atol: float, rtol: float = 0.05) -> list[TensorCheck]:
+    """Apply the SPEC §2 rule (``|out - ref| <= atol + rtol*|ref|`` on >= 99 % of elements, no
+    NaN/Inf) to each of the four outputs; returns one :class:`TensorCheck` per tensor."""
+    checks = []
+    for name, out, ref in zip(OUTPUT_NAMES, outputs, reference, strict=True):
+        o, r = out.float(), ref.float()
+        err = (o - r).abs()
+        match = (err <= atol + rtol * r.abs()).float().mean().item()
+        checks.append(TensorCheck(name, match, err.max().item(), bool(torch.isfinite(o).all())))
+    return checks
+
+
+def bytes_moved(workload: Workload, geometry: ModelGeometry = DEFAULT_MODEL,
+                elem_bytes: int = 2) -> int:
+    """Minimum DRAM traffic of one call (SPEC.md §4): Q read+write, K read+write+cache row, V
+    read+cache row, plus the 16 B of position indices SPEC §4 counts per token."""
+    per_token = (2 * geometry.num_q_heads + 5 * geometry.num_kv_heads) * geometry.head_dim
+    return workload.tokens * per_token * elem_bytes + workload.tokens * 16

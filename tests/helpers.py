@@ -1,0 +1,147 @@
+"""Shared test machinery: case construction with teeth, poisoning, and the checks every kernel
+test applies (outputs vs the reference, caches written exactly where they should be and
+bit-identical everywhere else)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import qkrope
+from qkrope.ops.qknorm_rope_cache.reference import rms_norm_ref, rope_cos_sin_ref
+from qkrope.suite import rope_inv_freq
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ON_GPU = DEVICE == "cuda"
+
+
+@dataclass
+class Case:
+    B: int = 2
+    Hq: int = 4
+    Hkv: int = 2
+    S: int = 7
+    D: int = 64
+    L: int = 32
+    dtype: torch.dtype = torch.bfloat16
+    index_dtype: torch.dtype = torch.int64
+    start: int = 3                 # first position / cache row
+    noncontig: bool = False        # q/k/v as strided views of one packed [B, S, H, D] projection
+    expand_pos: bool = True        # position_ids [B, S] view with batch stride 0
+    per_batch_pos: bool = False    # distinct positions per batch element
+    pad_rows: tuple[int, ...] = () # token indices whose cache row is set to -1 (padding)
+    far_rows: tuple[int, ...] = () # token indices whose cache row is set to >= L (skipped)
+    max_pos: int | None = None     # draw random positions in [0, max_pos) instead of a range
+    theta: float = 1e7
+    seed: int = 0
+
+
+def make_inputs(c: Case, device: str = DEVICE) -> tuple:
+    """The eleven op arguments for ``c`` (random data, random norm weights, never zeros)."""
+    g = torch.Generator().manual_seed(c.seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g).to(device=device, dtype=c.dtype)
+
+    if c.noncontig:
+        # Mimic an engine's fused projection: [B, S, Hq + 2 Hkv, D] sliced and transposed.
+        packed = randn(c.B, c.S, c.Hq + 2 * c.Hkv, c.D)
+        query = packed[:, :, : c.Hq].transpose(1, 2)
+        key = packed[:, :, c.Hq : c.Hq + c.Hkv].transpose(1, 2)
+        value = packed[:, :, c.Hq + c.Hkv :].transpose(1, 2)
+    else:
+        query, key, value = randn(c.B, c.Hq, c.S, c.D), randn(c.B, c.Hkv, c.S, c.D), randn(
+            c.B, c.Hkv, c.S, c.D)
+    key_cache, value_cache = randn(c.B, c.Hkv, c.L, c.D), randn(c.B, c.Hkv, c.L, c.D)
+
+    rows = torch.arange(c.start, c.start + c.S, dtype=torch.int64)
+    if c.max_pos is not None:
+        pos = torch.randint(0, c.max_pos, (c.B if c.per_batch_pos else 1, c.S), generator=g)
+    elif c.per_batch_pos:
+        pos = rows[None] + 100 * torch.arange(c.B)[:, None]
+    else:
+        pos = rows[None]
+    position_ids = pos.expand(c.B, c.S) if (c.expand_pos and pos.shape[0] == 1) else pos.repeat(
+        c.B // pos.shape[0], 1)
+    cache_position = rows.clone()
+    for i in c.pad_rows:
+        cache_position[i] = -1
+    for i in c.far_rows:
+        cache_position[i] = c.L + i
+    q_w, k_w = 1 + 0.5 * randn(c.D), 1 + 0.5 * randn(c.D)
+    inv_freq = rope_inv_freq(c.D, c.theta).to(device)
+    return (query, key, value, position_ids.to(device=device, dtype=c.index_dtype),
+            key_cache, value_cache, cache_position.to(device=device, dtype=c.index_dtype),
+            q_w, k_w, inv_freq, 1e-6)
+
+
+def poisoned_like(x: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(x, float("nan"), memory_format=torch.contiguous_format)
+
+
+def rope_tolerance(x: torch.Tensor, weight: torch.Tensor, position_ids: torch.Tensor,
+                   inv_freq: torch.Tensor, eps: float) -> torch.Tensor:
+    """Per-element bound on |fused - reference| for one rotated tensor.
+
+    Both compute the same rounding points; they may differ only in fp32 details (sum order of
+    the squares, rsqrt/sin/cos ulps), which can flip a bf16 rounding of a normalized value by one
+    unit (relative 2u, u the unit roundoff). Such a flip moves each product by at most 2u of
+    itself plus a rounding (u) and the sum by a further rounding: 4u * (|n1 c| + |n2 s|) covers it.
+    """
+    u = torch.finfo(x.dtype).eps / 2  # unit roundoff
+    n = rms_norm_ref(x, weight, eps).float()
+    cos, sin = rope_cos_sin_ref(position_ids.expand(x.shape[0], x.shape[2]), inv_freq, x.dtype)
+    c, s = cos.float()[:, None], sin.float()[:, None]
+    n1, n2 = n.chunk(2, dim=-1)
+    b1 = (n1 * c).abs() + (n2 * s).abs()
+    b2 = (n2 * c).abs() + (n1 * s).abs()
+    return 4 * u * torch.cat((b1, b2), dim=-1)
+
+
+def run_and_check(args: tuple, *, exact_fraction: float = 0.99, use_out: bool = True) -> dict:
+    """Run the fused op (in place, poisoned outputs) and the reference; assert every contract.
+
+    Returns measured figures (max error, fraction bit-identical) for callers that report them.
+    """
+    (query, key, value, position_ids, key_cache, value_cache, cache_position,
+     q_w, k_w, inv_freq, eps) = args
+    kc_in, vc_in = key_cache.clone(), value_cache.clone()
+    kwargs = {}
+    if use_out:
+        kwargs = dict(query_out=poisoned_like(query), key_out=poisoned_like(key))
+    q_rot, k_rot, kc, vc = qkrope.fused_rope_with_qk_norm_and_kv_cache_update(*args, **kwargs)
+    assert kc is key_cache and vc is value_cache, "in-place call must return the given caches"
+    if use_out:
+        assert q_rot is kwargs["query_out"] and k_rot is kwargs["key_out"]
+
+    ref_q, ref_k, ref_kc, ref_vc = qkrope.reference(
+        query, key, value, position_ids, kc_in.clone(), vc_in.clone(), cache_position,
+        q_w, k_w, inv_freq, eps, inplace=True)
+
+    figures = {}
+    for name, out, ref, x, w in (("query", q_rot, ref_q, query, q_w),
+                                 ("key", k_rot, ref_k, key, k_w)):
+        assert not torch.isnan(out).any(), f"{name}_rotated has unwritten (NaN-poisoned) elements"
+        err = (out.float() - ref.float()).abs()
+        bound = rope_tolerance(x, w, position_ids, inv_freq, eps)
+        worst = (err - bound).max().item()
+        assert worst <= 0, f"{name}_rotated: error exceeds derived bound by {worst}"
+        same = (out == ref).float().mean().item()
+        assert same >= exact_fraction, f"{name}_rotated: only {same:.4%} bit-identical"
+        figures[name] = dict(max_abs_err=err.max().item(), bit_identical=same)
+
+    # Caches: written rows hold exactly the kernel's own key_rotated / the value; every other row
+    # is bit-identical to the input.
+    L = key_cache.shape[2]
+    rows = cache_position.long().cpu()
+    written = torch.zeros(L, dtype=torch.bool)
+    for s, r in enumerate(rows.tolist()):
+        if 0 <= r < L:
+            written[r] = True
+            torch.testing.assert_close(kc[:, :, r], k_rot[:, :, s], rtol=0, atol=0)
+            torch.testing.assert_close(vc[:, :, r], value[:, :, s], rtol=0, atol=0)
+    keep = (~written).to(kc.device)
+    assert torch.equal(kc[:, :, keep], kc_in[:, :, keep]), "key_cache: an untouched row changed"
+    assert torch.equal(vc[:, :, keep], vc_in[:, :, keep]), "value_cache: an untouched row changed"
+    return figures

@@ -1,0 +1,63 @@
+"""GPU-only: the 13-workload suite under the SPEC.md §2 rule, one launch per call, larger shapes."""
+
+import pytest
+import torch
+from helpers import Case, make_inputs, run_and_check
+
+import qkrope
+from qkrope.suite import MODELS, SUITE, check_outputs
+from qkrope.suite import make_inputs as suite_inputs
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("workload", SUITE, ids=[w.name for w in SUITE])
+@pytest.mark.parametrize("weights", ["random", "ones"])
+def test_suite_workload_ten_fresh_rounds(workload, weights):
+    g = torch.Generator(device="cuda").manual_seed(hash((workload, weights)) % 2**31)
+    for _ in range(10):
+        args = suite_inputs(workload, device="cuda", generator=g,
+                            benchmark_weights=weights == "ones")
+        ref = qkrope.reference(*args, inplace=False)
+        out = qkrope.run(*args)
+        for chk in check_outputs(out, ref, workload.atol):
+            assert chk.ok, f"{workload.name}: {chk}"
+        del args, ref, out
+
+
+def test_one_launch_per_call():
+    args = suite_inputs(SUITE[6], device="cuda", cache_capacity=4096)
+    qkrope.run(*args)  # compile outside the trace
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        qkrope.run(*args)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == 1, [k.name for k in kernels]
+
+
+@pytest.mark.parametrize("case", [
+    Case(B=4, Hq=96, Hkv=8, S=333, D=128, L=4096, start=3000, noncontig=True),
+    Case(B=2, Hq=32, Hkv=8, S=1000, D=128, L=2**18, start=2**18 - 1000, max_pos=2**18,
+         per_batch_pos=True, expand_pos=False),
+    Case(B=3, Hq=16, Hkv=16, S=77, D=256, L=300, dtype=torch.float16, index_dtype=torch.int32),
+    Case(B=1, Hq=64, Hkv=4, S=4096, D=64, L=8192, pad_rows=(0, 17, 4095), far_rows=(5,)),
+    Case(B=16, Hq=96, Hkv=8, S=1, D=128, L=2**18, start=2**18 - 1),
+], ids=["noncontig-96-8", "positions-to-2^18", "fp16-d256-int32", "d64-padding", "decode-b16"])
+def test_large_random_shapes(case):
+    run_and_check(make_inputs(case, device="cuda"))
+
+
+def test_cache_larger_than_2_pow_31_elements():
+    # [9, 8, 262144, 128] bf16 = 2.4e9 elements per cache: offsets must be 64-bit.
+    case = Case(B=9, Hq=16, Hkv=8, S=3, D=128, L=2**18, start=2**18 - 3)
+    run_and_check(make_inputs(case, device="cuda"))
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_model_geometries(model):
+    w = SUITE[8]
+    args = suite_inputs(w, MODELS[model], device="cuda", cache_capacity=4096)
+    ref = qkrope.reference(*args, inplace=False)
+    for chk in check_outputs(qkrope.run(*args), ref, w.atol):
+        assert chk.ok, chk

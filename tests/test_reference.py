@@ -1,0 +1,78 @@
+"""The oracle itself, checked against an independent fp64 formulation of SPEC.md §1."""
+
+import pytest
+import torch
+from helpers import Case, make_inputs
+
+import qkrope
+
+
+def fp64_model(query, key, value, position_ids, key_cache, value_cache, cache_position,
+               q_w, k_w, inv_freq, eps):
+    """SPEC §1 without any low-precision rounding: everything in fp64 after the one fp32 angle
+    multiply the spec prescribes; returns rotated Q, rotated K and the exact normalized rows."""
+    B, _, S, D = query.shape
+    angle = (position_ids.expand(B, S).float()[..., None] * inv_freq).double()  # fp32 multiply
+    c, s = angle.cos()[:, None], angle.sin()[:, None]
+
+    def norm(x, w):
+        x = x.double()
+        return w.double() * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+    def rot(n):
+        n1, n2 = n.chunk(2, -1)
+        return torch.cat((n1 * c - n2 * s, n2 * c + n1 * s), -1), (n1 * c).abs() + (n2 * s).abs(), \
+            (n2 * c).abs() + (n1 * s).abs()
+
+    return rot(norm(query, q_w)), rot(norm(key, k_w))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("max_pos", [4096, 2**18])
+def test_reference_matches_fp64_within_rounding_bound(dtype, max_pos):
+    # Four roundings to dtype stand between the exact value and the reference's: the normalized
+    # row, cos/sin, each product (3u on a product) and the sum (u); so per element
+    # |ref - exact| <= 3u (|n1 c| + |n2 s|) + u |exact|, plus fp32 noise (we allow 3.2u and 1.2u).
+    c = Case(B=2, Hq=4, Hkv=2, S=33, D=128, L=8, dtype=dtype, max_pos=max_pos, start=0,
+             per_batch_pos=True)
+    args = make_inputs(c, device="cpu")
+    q_ref, k_ref, *_ = qkrope.reference(*args)
+    u = torch.finfo(dtype).eps / 2  # unit roundoff
+    for ref, (exact, m1, m2) in zip((q_ref, k_ref), fp64_model(*args)):
+        bound = 3.2 * u * torch.cat((m1, m2), -1) + 1.2 * u * exact.abs()
+        excess = (ref.double() - exact).abs() - bound
+        assert excess.max() <= 0, f"reference off the fp64 model by {excess.max():.3g} over bound"
+
+
+def test_reference_rounds_like_eager_hf_rope():
+    # The reference must reproduce HF's eager rounding: cos/sin cast to bf16, q*cos +
+    # rotate_half(q)*sin in bf16. Written out independently here with cat(freqs, freqs).
+    c = Case(B=1, Hq=2, Hkv=1, S=5, D=64, start=2048, dtype=torch.bfloat16)
+    args = make_inputs(c, device="cpu")
+    query, _, _, pos, *_, q_w, _, inv_freq, eps = args
+    xf = query.float()
+    normed = (q_w.float() * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))).bfloat16()
+    freqs = pos.float()[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), -1)
+    cos, sin = emb.cos().bfloat16()[:, None], emb.sin().bfloat16()[:, None]
+    half = normed.shape[-1] // 2
+    rotated = torch.cat((-normed[..., half:], normed[..., :half]), -1)
+    expected = normed * cos + rotated * sin
+    q_ref = qkrope.reference(*args)[0]
+    assert torch.equal(q_ref, expected)
+
+
+def test_reference_cache_semantics_and_no_mutation_mode():
+    c = Case(B=2, Hq=2, Hkv=1, S=6, D=64, L=16, pad_rows=(1,), far_rows=(4,))
+    args = make_inputs(c, device="cpu")
+    kc, vc = args[4], args[5]
+    kc0, vc0 = kc.clone(), vc.clone()
+    _, k_rot, kc_new, vc_new = qkrope.reference(*args, inplace=False)
+    assert torch.equal(kc, kc0) and torch.equal(vc, vc0), "inplace=False mutated the caches"
+    rows = args[6]
+    for s, r in enumerate(rows.tolist()):
+        if 0 <= r < c.L:
+            assert torch.equal(kc_new[:, :, r], k_rot[:, :, s])
+            assert torch.equal(vc_new[:, :, r], args[2][:, :, s])
+    untouched = [r for r in range(c.L) if r not in rows.tolist()]
+    assert torch.equal(kc_new[:, :, untouched], kc0[:, :, untouched])

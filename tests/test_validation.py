@@ -1,0 +1,103 @@
+"""Bad input gets a clear TypeError/ValueError naming the argument and what was expected."""
+
+import pytest
+import torch
+from helpers import DEVICE, Case, make_inputs
+
+import qkrope
+
+NAMES = ["query", "key", "value", "position_ids", "key_cache", "value_cache", "cache_position",
+         "q_norm_weight", "k_norm_weight", "inv_freq", "rms_norm_eps"]
+
+
+def args_with(**changes):
+    args = dict(zip(NAMES, make_inputs(Case(B=2, Hq=4, Hkv=2, S=5, D=64, L=16))))
+    for name, fn in changes.items():
+        args[name] = fn(args[name]) if callable(fn) else fn
+    return [args[n] for n in NAMES]
+
+
+def call(args, **kw):
+    return qkrope.fused_rope_with_qk_norm_and_kv_cache_update(*args, **kw)
+
+
+@pytest.mark.parametrize("change, exc, words", [
+    (dict(query=lambda x: x.float()), TypeError, ["query", "bfloat16 or float16", "float32"]),
+    (dict(key=lambda x: x.half()), TypeError, ["key", "bfloat16"]),
+    (dict(value=lambda x: x[0]), ValueError, ["value", "rank 4"]),
+    (dict(position_ids=lambda x: x.float()), TypeError, ["position_ids", "int32 or int64"]),
+    (dict(cache_position=lambda x: x[None]), ValueError, ["cache_position", "rank 1"]),
+    (dict(inv_freq=lambda x: x.double()), TypeError, ["inv_freq", "float32"]),
+    (dict(q_norm_weight=lambda x: x.float()), TypeError, ["q_norm_weight", "bfloat16"]),
+    (dict(key=lambda x: x[:1]), ValueError, ["key", "[2, 2, 5, 64]"]),
+    (dict(key=lambda x: x[:, :, :4]), ValueError, ["key", "S"]),
+    (dict(value=lambda x: x[:, :1]), ValueError, ["value", "[2, 2, 5, 64]"]),
+    (dict(key=lambda x: torch.cat([x, x[:, :1]], 1),
+          value=lambda x: torch.cat([x, x[:, :1]], 1)), ValueError,
+     ["query heads (4)", "multiple of key heads (3)"]),
+    (dict(query=lambda x: x[..., :48], key=lambda x: x[..., :48], value=lambda x: x[..., :48]),
+     ValueError, ["head_dim", "(64, 128, 256)", "48"]),
+    (dict(value_cache=lambda x: x[:, :, :8]), ValueError, ["value_cache", "shape of key_cache"]),
+    (dict(key_cache=lambda x: x[:, :1]), ValueError, ["key_cache", "Hkv"]),
+    (dict(position_ids=lambda x: x[:, :3]), ValueError, ["position_ids", "[B, S]"]),
+    (dict(cache_position=lambda x: x[:3]), ValueError, ["cache_position", "[S]"]),
+    (dict(inv_freq=lambda x: x[:5]), ValueError, ["inv_freq", "[D/2]"]),
+    (dict(k_norm_weight=lambda x: x[:5]), ValueError, ["k_norm_weight", "[D]"]),
+    (dict(rms_norm_eps="1e-6"), TypeError, ["rms_norm_eps", "float"]),
+    (dict(rms_norm_eps=float("nan")), ValueError, ["rms_norm_eps", "finite"]),
+    (dict(query=[1, 2]), TypeError, ["query", "torch.Tensor"]),
+])
+def test_bad_argument_is_named(change, exc, words):
+    with pytest.raises(exc) as info:
+        call(args_with(**change))
+    for w in words:
+        assert w in str(info.value), f"{w!r} not in error message: {info.value}"
+
+
+def test_wrong_device_is_named():
+    other = "meta"
+    with pytest.raises(ValueError, match="inv_freq is on meta.*one device"):
+        call(args_with(inv_freq=lambda x: x.to(other)))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA to have a non-CUDA tensor to reject")
+def test_cpu_tensors_rejected_on_gpu_build():
+    args = [a.cpu() if isinstance(a, torch.Tensor) else a for a in args_with()]
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        call(args)
+
+
+@pytest.mark.parametrize("which, shape, exc", [
+    ("query_out", (2, 4, 5, 32), ValueError),
+    ("key_out", (2, 4, 5, 64), ValueError),
+])
+def test_bad_out_buffers(which, shape, exc):
+    args = args_with()
+    out = torch.empty(shape, dtype=args[0].dtype, device=DEVICE)
+    with pytest.raises(exc, match=which):
+        call(args, **{which: out})
+
+
+def test_out_buffer_wrong_dtype():
+    args = args_with()
+    with pytest.raises(TypeError, match="query_out"):
+        call(args, query_out=torch.empty(args[0].shape, dtype=torch.float32, device=DEVICE))
+
+
+def test_position_ids_batch_one_broadcasts():
+    args = args_with(position_ids=lambda x: x[:1])
+    q_rot = call(args)[0]
+    ref = qkrope.reference(*args_with(), inplace=False)[0]
+    assert (q_rot == ref).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("row", [-1, 16, 10**6])
+def test_out_of_range_rows_skipped_or_raised(row):
+    args = args_with(cache_position=lambda x: torch.tensor([0, 1, row, 3, 4], dtype=x.dtype,
+                                                             device=x.device))
+    kc0 = args[4].clone()
+    call(args)  # skipped silently: no out-of-bounds write, other rows written
+    untouched = [2] + list(range(5, 16))
+    assert torch.equal(args[4][:, :, untouched], kc0[:, :, untouched])
+    with pytest.raises(ValueError, match=rf"cache_position holds {row}, outside the cache \[0, 16\)"):
+        call(args, validate=True)
