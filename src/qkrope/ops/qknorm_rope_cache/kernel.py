@@ -1,8 +1,8 @@
 """Triton kernel: per-head RMSNorm on Q and K, NeoX RoPE, and the K/V cache row write, one launch.
 
-Work split: a program owns a tile of ``BLOCK_H`` heads x ``BLOCK_S`` tokens of one batch element.
-Programs with ``pid_h < cdiv(Hq, BLOCK_H)`` handle query heads; the rest handle key/value heads
-and also write the new K and V rows into the caches. cos/sin are computed once per program for
+Work split: a program owns a tile of heads x ``BLOCK_S`` tokens of one batch element. Programs
+with ``pid_h < cdiv(Hq, BLOCK_HQ)`` handle ``BLOCK_HQ`` query heads; the rest handle
+``BLOCK_HKV`` key/value heads and also write the new K and V rows into the caches. cos/sin are computed once per program for
 its ``BLOCK_S`` tokens and shared by all heads of the tile. Rows are processed as two halves of
 ``D/2`` so the rotate-half pairs line up element by element in registers.
 
@@ -100,10 +100,10 @@ def qknorm_rope_cache_kernel(
     stride_kc_b, stride_kc_h, stride_kc_l, stride_kc_d,
     stride_vc_b, stride_vc_h, stride_vc_l, stride_vc_d,
     stride_pos_b, stride_pos_s, stride_cache_pos, stride_q_w, stride_k_w, stride_inv_freq,
-    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_S: tl.constexpr,
     INTERPRETER: tl.constexpr,
 ):
-    """Grid: (cdiv(S, BLOCK_S), cdiv(Hq, BLOCK_H) + cdiv(Hkv, BLOCK_H), B).
+    """Grid: (cdiv(S, BLOCK_S), cdiv(Hq, BLOCK_HQ) + cdiv(Hkv, BLOCK_HKV), B).
 
     Aliasing contract: every element a program stores was loaded by that same program first,
     so ``q_out`` may be ``q`` itself (and ``k_out`` ``k``); nothing else may overlap.
@@ -122,11 +122,10 @@ def qknorm_rope_cache_kernel(
 
     s3 = s_idx[None, :, None]
     d3 = tl.arange(0, HALF)[None, None, :]
-    h_local = tl.arange(0, BLOCK_H)[:, None, None]
-    n_q_blocks = tl.cdiv(Hq, BLOCK_H)
+    n_q_blocks = tl.cdiv(Hq, BLOCK_HQ)
 
     if pid_h < n_q_blocks:
-        h = pid_h * BLOCK_H + h_local
+        h = pid_h * BLOCK_HQ + tl.arange(0, BLOCK_HQ)[:, None, None]
         mask = (h < Hq) & (s3 < S)
         x_off = _offsets(b, h, s3, d3, stride_q_b, stride_q_h, stride_q_s, stride_q_d)
         o1, o2 = _norm_rope(q_ptr, x_off, HALF * stride_q_d, mask, q_w_ptr, stride_q_w,
@@ -135,7 +134,7 @@ def qknorm_rope_cache_kernel(
         tl.store(q_out_ptr + o_off, o1, mask=mask)
         tl.store(q_out_ptr + o_off + HALF * stride_qo_d, o2, mask=mask)
     else:
-        h = (pid_h - n_q_blocks) * BLOCK_H + h_local
+        h = (pid_h - n_q_blocks) * BLOCK_HKV + tl.arange(0, BLOCK_HKV)[:, None, None]
         mask = (h < Hkv) & (s3 < S)
         x_off = _offsets(b, h, s3, d3, stride_k_b, stride_k_h, stride_k_s, stride_k_d)
         o1, o2 = _norm_rope(k_ptr, x_off, HALF * stride_k_d, mask, k_w_ptr, stride_k_w,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+from typing import NamedTuple
 
 import torch
 import triton
@@ -123,17 +124,13 @@ def _check_cache_position_range(cache_position: torch.Tensor, L: int) -> None:
 # --------------------------------------------------------------------------------------------
 # tiling
 # --------------------------------------------------------------------------------------------
-class TileConfig(tuple):
-    """``(BLOCK_H, BLOCK_S, num_warps)`` for one problem shape."""
+class TileConfig(NamedTuple):
+    """Tile shape and launch width for one problem shape."""
 
-    __slots__ = ()
-
-    def __new__(cls, block_h: int, block_s: int, num_warps: int):
-        return super().__new__(cls, (block_h, block_s, num_warps))
-
-    block_h = property(lambda self: self[0])
-    block_s = property(lambda self: self[1])
-    num_warps = property(lambda self: self[2])
+    block_hq: int    # query heads per program
+    block_hkv: int   # key/value heads per program
+    block_s: int     # tokens per program
+    num_warps: int
 
 
 # Elements per tile: ~16 KiB of bf16 per tile keeps registers in bounds at head_dim 256.
@@ -143,14 +140,15 @@ _TILE_ELEMS = 8192
 @functools.lru_cache(maxsize=1024)
 def pick_config(B: int, Hq: int, Hkv: int, S: int, D: int, interpret: bool) -> TileConfig:
     """Tile shape for a problem; cached per shape so the hot path does no search."""
-    block_s = min(triton.next_power_of_2(S), 16)
-    block_h = max(1, min(triton.next_power_of_2(Hq), _TILE_ELEMS // (block_s * D)))
     if interpret:
-        # ~5 ms per program instance in the interpreter: fewer, larger programs.
-        block_s = min(triton.next_power_of_2(S), 64)
-        block_h = triton.next_power_of_2(Hq)
-    num_warps = 4 if block_h * block_s * D >= 4096 else 2
-    return TileConfig(block_h, block_s, num_warps)
+        # ~5 ms per program instance in the interpreter: few programs, whole head groups.
+        block_s = min(triton.next_power_of_2(S), 32)
+        return TileConfig(triton.next_power_of_2(Hq), triton.next_power_of_2(Hkv), block_s, 4)
+    block_s = min(triton.next_power_of_2(S), 16)
+    block_hq = max(1, min(triton.next_power_of_2(Hq), _TILE_ELEMS // (block_s * D)))
+    block_hkv = max(1, min(triton.next_power_of_2(Hkv), _TILE_ELEMS // (block_s * D)))
+    num_warps = 4 if block_hq * block_s * D >= 4096 else 2
+    return TileConfig(block_hq, block_hkv, block_s, num_warps)
 
 
 # --------------------------------------------------------------------------------------------
@@ -220,8 +218,9 @@ def fused_rope_with_qk_norm_and_kv_cache_update(
 
     pos = position_ids.expand(B, S)
     interpret = interpreting()
-    block_h, block_s, num_warps = pick_config(B, Hq, Hkv, S, D, interpret)
-    grid = (triton.cdiv(S, block_s), triton.cdiv(Hq, block_h) + triton.cdiv(Hkv, block_h), B)
+    cfg = pick_config(B, Hq, Hkv, S, D, interpret)
+    grid = (triton.cdiv(S, cfg.block_s),
+            triton.cdiv(Hq, cfg.block_hq) + triton.cdiv(Hkv, cfg.block_hkv), B)
     qknorm_rope_cache_kernel[grid](
         query, key, value, pos, key_cache, value_cache, cache_position,
         q_norm_weight, k_norm_weight, inv_freq, query_out, key_out,
@@ -231,7 +230,7 @@ def fused_rope_with_qk_norm_and_kv_cache_update(
         *key_cache.stride(), *value_cache.stride(),
         *pos.stride(), cache_position.stride(0), q_norm_weight.stride(0),
         k_norm_weight.stride(0), inv_freq.stride(0),
-        HALF=D // 2, BLOCK_H=block_h, BLOCK_S=block_s, INTERPRETER=interpret,
-        num_warps=num_warps,
+        HALF=D // 2, BLOCK_HQ=cfg.block_hq, BLOCK_HKV=cfg.block_hkv, BLOCK_S=cfg.block_s,
+        INTERPRETER=interpret, num_warps=cfg.num_warps,
     )
     return query_out, key_out, key_cache, value_cache

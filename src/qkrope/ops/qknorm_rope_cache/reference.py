@@ -64,6 +64,7 @@ def qknorm_rope_cache_ref(
     rms_norm_eps: float,
     *,
     inplace: bool = True,
+    skip_out_of_range: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Reference QK-norm + RoPE + KV-cache write (same arguments as the fused op).
 
@@ -77,6 +78,9 @@ def qknorm_rope_cache_ref(
         inv_freq: [D/2] fp32.
         rms_norm_eps: RMSNorm epsilon.
         inplace: write into the given caches and return them; else return fresh copies.
+        skip_out_of_range: drop tokens whose cache row is outside [0, L), as the fused op does.
+            False writes every row with one ``index_copy_`` (no host sync, ``torch.compile``
+            friendly; an out-of-range row then raises inside ``index_copy_``).
 
     Returns:
         ``(query_rotated [B, Hq, S, D], key_rotated [B, Hkv, S, D], key_cache_out, value_cache_out)``.
@@ -88,8 +92,10 @@ def qknorm_rope_cache_ref(
 
     if not inplace:
         key_cache, value_cache = key_cache.clone(), value_cache.clone()
-    keep = valid_cache_rows(cache_position, key_cache.shape[2])
-    rows = cache_position[keep].long()
-    key_cache.index_copy_(2, rows, k_rot[:, :, keep].to(key_cache.dtype))
-    value_cache.index_copy_(2, rows, value[:, :, keep].to(value_cache.dtype))
+    rows, k_new, v_new = cache_position.long(), k_rot, value
+    if skip_out_of_range:
+        keep = valid_cache_rows(cache_position, key_cache.shape[2])
+        rows, k_new, v_new = rows[keep], k_rot[:, :, keep], value[:, :, keep]
+    key_cache.index_copy_(2, rows, k_new)
+    value_cache.index_copy_(2, rows, v_new)
     return q_rot, k_rot, key_cache, value_cache

@@ -1,0 +1,101 @@
+"""Implementations the benchmark compares, each behind the op's eleven-argument convention.
+
+Every entry writes the new rows into the given caches in place (what engines and competitive
+entries do; SPEC.md §1) and returns the four outputs. Peers that are not installed are reported
+as skipped with the reason, never as errors.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..ops.qknorm_rope_cache import fused_rope_with_qk_norm_and_kv_cache_update
+from ..ops.qknorm_rope_cache.reference import qknorm_rope_cache_ref
+
+__all__ = ["Impl", "IMPLS", "resolve_impls"]
+
+OpFn = Callable[..., tuple]
+
+
+@dataclass(frozen=True)
+class Impl:
+    name: str
+    description: str
+    build: Callable[[], OpFn]     # returns the callable; raises ImportError when unavailable
+
+
+def _eager_reference() -> OpFn:
+    # Rows of the suite are always in range: one index_copy_ per cache, no host sync.
+    return functools.partial(qknorm_rope_cache_ref, skip_out_of_range=False)
+
+
+def _compiled_reference() -> OpFn:
+    import torch._dynamo
+
+    # One specialised graph per shape, as a serving engine would warm up; allow many shapes.
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
+    if hasattr(torch._dynamo.config, "recompile_limit"):
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+    return torch.compile(_eager_reference(), dynamic=False)
+
+
+def _liger() -> OpFn:
+    """Liger-Kernel's RMSNorm and RoPE kernels composed with two ``index_copy_`` cache writes."""
+    if importlib.util.find_spec("liger_kernel") is None:
+        raise ImportError("liger-kernel is not installed")
+    from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+    from liger_kernel.ops.rope import LigerRopeFunction
+
+    def run(query, key, value, position_ids, key_cache, value_cache, cache_position,
+            q_norm_weight, k_norm_weight, inv_freq, rms_norm_eps):
+        B, _, S, D = query.shape
+        q = LigerRMSNormFunction.apply(query.reshape(-1, D), q_norm_weight, rms_norm_eps, 0.0,
+                                       "llama", False).view(query.shape)
+        k = LigerRMSNormFunction.apply(key.reshape(-1, D), k_norm_weight, rms_norm_eps, 0.0,
+                                       "llama", False).view(key.shape)
+        freqs = position_ids.expand(B, S).float()[..., None] * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        q, k = LigerRopeFunction.apply(q, k, emb.cos().to(query.dtype), emb.sin().to(query.dtype))
+        key_cache.index_copy_(2, cache_position, k)
+        value_cache.index_copy_(2, cache_position, value)
+        return q, k, key_cache, value_cache
+
+    return run
+
+
+def _flashinfer() -> OpFn:
+    if importlib.util.find_spec("flashinfer") is None:
+        raise ImportError("flashinfer is not installed")
+    raise ImportError("flashinfer is installed but qkrope has no adapter for it yet")
+
+
+IMPLS: dict[str, Impl] = {
+    i.name: i
+    for i in (
+        Impl("qkrope", "qkrope fused kernel (one launch, in place)",
+             lambda: fused_rope_with_qk_norm_and_kv_cache_update),
+        Impl("torch.compile", "torch.compile(reference, dynamic=False), in place",
+             _compiled_reference),
+        Impl("eager", "eager PyTorch reference, in place", _eager_reference),
+        Impl("liger", "Liger-Kernel RMSNorm + RoPE + index_copy_", _liger),
+        Impl("flashinfer", "FlashInfer", _flashinfer),
+    )
+}
+
+
+def resolve_impls(names: list[str]) -> tuple[dict[str, OpFn], dict[str, str]]:
+    """Build the requested implementations; returns ``(available, skipped_with_reason)``."""
+    available, skipped = {}, {}
+    for name in names:
+        if name not in IMPLS:
+            raise ValueError(f"unknown implementation {name!r}; choose from {', '.join(IMPLS)}")
+        try:
+            available[name] = IMPLS[name].build()
+        except ImportError as e:
+            skipped[name] = str(e)
+    return available, skipped

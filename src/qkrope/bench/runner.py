@@ -1,0 +1,364 @@
+"""The benchmark's main loop and its outputs: markdown table, JSON and plot.
+
+``run_benchmark`` checks and times every implementation on every workload (GPU), or checks
+qkrope through Triton's interpreter on a machine without CUDA. Rendering works on plain result
+objects, so it is tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import platform
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .. import __version__
+from ..ops.qknorm_rope_cache.reference import qknorm_rope_cache_ref
+from ..suite import (
+    DEFAULT_MODEL, SUITE, ModelGeometry, Workload, bytes_moved, check_outputs, make_inputs,
+)
+from .impls import resolve_impls
+
+__all__ = ["ImplResult", "WorkloadResult", "BenchReport", "run_benchmark", "render_markdown",
+           "write_json", "write_plot", "sweep_workloads", "environment"]
+
+H200_SPEC_BANDWIDTH = 4.8e12  # bytes/s, vendor datasheet (used only for the "% of spec" column)
+
+
+@dataclass
+class ImplResult:
+    correct: bool | None = None
+    match_fraction: float | None = None        # worst of the four output tensors
+    max_abs_err: float | None = None
+    median_us: float | None = None
+    p20_us: float | None = None
+    p80_us: float | None = None
+    host_us: float | None = None
+    graph_us: float | None = None
+    error: str | None = None
+
+
+@dataclass
+class WorkloadResult:
+    index: int
+    seq_len: int
+    cache_len: int
+    batch: int
+    atol: float
+    tokens: int
+    bytes: int
+    floor_us: float | None
+    impls: dict[str, ImplResult] = field(default_factory=dict)
+
+
+@dataclass
+class BenchReport:
+    model: str
+    geometry: dict
+    timed: bool
+    copy_bandwidth: float | None               # bytes/s, read + write, same run
+    impls: list[str]
+    skipped: dict[str, str]
+    workloads: list[WorkloadResult]
+    environment: dict
+    settings: dict
+
+    def geomean(self, impl: str) -> float | None:
+        xs = [w.impls[impl].median_us for w in self.workloads if impl in w.impls]
+        if not xs or any(x is None for x in xs):
+            return None
+        return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+    def floor_geomean(self) -> float | None:
+        xs = [w.floor_us for w in self.workloads]
+        if not xs or any(x is None for x in xs):
+            return None
+        return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
+def environment() -> dict:
+    import triton
+
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "qkrope": __version__, "torch": torch.__version__, "triton": triton.__version__,
+        "python": platform.python_version(), "command": " ".join(["qkrope"] + sys.argv[1:]),
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        env.update(gpu=props.name, sms=props.multi_processor_count,
+                   l2_bytes=getattr(props, "L2_cache_size", None),
+                   cuda=torch.version.cuda, driver=_driver_version())
+    else:
+        env.update(gpu=None, note="no CUDA device: correctness only, through Triton's interpreter")
+    return env
+
+
+def _driver_version() -> str | None:
+    try:
+        import subprocess
+
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 else None
+    except Exception:
+        return None
+
+
+def sweep_workloads(max_tokens: int = 16384, decode_max_batch: int = 4096,
+                    decode_cache_len: int = 511) -> list[Workload]:
+    """Prefill lengths 1..max_tokens (B=1, C=0) and decode batches 1..decode_max_batch (S=1 at
+    position ``decode_cache_len``), powers of two."""
+    prefill = [Workload(1 << i, 0, 1) for i in range(max_tokens.bit_length())
+               if (1 << i) <= max_tokens]
+    decode = [Workload(1, decode_cache_len, 1 << i) for i in range(1, decode_max_batch.bit_length())
+              if (1 << i) <= decode_max_batch]
+    return prefill + decode
+
+
+def _check(out, ref, atol) -> ImplResult:
+    checks = check_outputs(out, ref, atol)
+    return ImplResult(correct=all(c.ok for c in checks),
+                      match_fraction=min(c.match_fraction for c in checks),
+                      max_abs_err=max(c.max_abs_err for c in checks))
+
+
+def _with_fresh_caches(args: tuple) -> tuple:
+    args = list(args)
+    args[4], args[5] = args[4].clone(), args[5].clone()
+    return tuple(args)
+
+
+def run_benchmark(
+    workloads: Sequence[Workload] = SUITE,
+    geometry: ModelGeometry = DEFAULT_MODEL,
+    impls: Sequence[str] = ("qkrope", "torch.compile", "eager", "liger", "flashinfer"),
+    *,
+    iters: int = 50,
+    warmup: int = 10,
+    host_calls: int = 2000,
+    graphs: bool = True,
+    benchmark_inputs: bool = False,
+    cache_capacity: int | None = None,
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+) -> BenchReport:
+    """Check and (with CUDA) time ``impls`` on ``workloads``.
+
+    ``cache_capacity`` is the cache length L of every workload; None gives each workload the
+    smallest cache that holds its rows, ``C + S``.
+    """
+    timed = torch.cuda.is_available()
+    device = "cuda" if timed else "cpu"
+    skipped = {}
+    if not timed:  # the interpreter checks the real kernel; the baselines only matter for timing
+        skipped = {n: "timing needs a CUDA GPU" for n in impls if n != "qkrope"}
+        impls = [n for n in impls if n == "qkrope"]
+    available, unavailable = resolve_impls(list(impls))
+    skipped.update(unavailable)
+    tick = progress or (lambda msg: None)
+
+    bandwidth = flush = None
+    if timed:
+        from .timing import L2Flusher, copy_bandwidth
+
+        tick("measuring copy bandwidth")
+        bandwidth = copy_bandwidth()
+        flush = L2Flusher()
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    results = []
+    for idx, w in enumerate(workloads, 1):
+        nbytes = bytes_moved(w, geometry)
+        wr = WorkloadResult(idx, w.seq_len, w.cache_len, w.batch, w.atol, w.tokens, nbytes,
+                            nbytes / bandwidth * 1e6 if bandwidth else None)
+        L = cache_capacity or w.cache_len + w.seq_len
+        args = make_inputs(w, geometry, device=device, cache_capacity=L, generator=gen,
+                           benchmark_weights=benchmark_inputs)
+        ref = qknorm_rope_cache_ref(*args, inplace=False)
+        for name, fn in available.items():
+            tick(f"{w.name}: {name}")
+            call_args = _with_fresh_caches(args)
+            try:
+                res = _check(fn(*call_args), ref, w.atol)
+                if timed:
+                    _time_into(res, fn, call_args, flush, iters, warmup, host_calls, graphs)
+            except Exception as e:  # one failing implementation must not end the run
+                res = ImplResult(error=f"{type(e).__name__}: {e}".splitlines()[0][:300])
+            wr.impls[name] = res
+            del call_args
+        results.append(wr)
+        del args, ref
+        if timed:
+            torch.cuda.empty_cache()
+
+    return BenchReport(
+        model=geometry.name, geometry=asdict(geometry), timed=timed, copy_bandwidth=bandwidth,
+        impls=list(available), skipped=skipped, workloads=results, environment=environment(),
+        settings=dict(iters=iters, warmup=warmup, host_calls=host_calls, graphs=graphs,
+                      benchmark_inputs=benchmark_inputs, cache_capacity=cache_capacity,
+                      seed=seed),
+    )
+
+
+def _time_into(res: ImplResult, fn, args, flush, iters, warmup, host_calls, graphs) -> None:
+    from .timing import cupti_call_times_us, graph_replay_time_us, host_time_per_call_us, summarize
+
+    def call():
+        return fn(*args)
+
+    stats = summarize(cupti_call_times_us(call, flush, iters=iters, warmup=warmup))
+    res.median_us, res.p20_us, res.p80_us = stats.median, stats.p20, stats.p80
+    res.host_us = host_time_per_call_us(call, host_calls)
+    if graphs:
+        try:
+            res.graph_us = graph_replay_time_us(call)
+        except Exception:  # e.g. a host sync inside the call: not capturable
+            torch.cuda.synchronize()
+            res.graph_us = None
+
+
+# ----------------------------------------------------------------------------------------------
+# rendering
+# ----------------------------------------------------------------------------------------------
+def _f(x: float | None, fmt: str = "{:.2f}") -> str:
+    return "—" if x is None else fmt.format(x)
+
+
+def _status(r: ImplResult | None) -> str:
+    if r is None:
+        return "—"
+    if r.error:
+        return "error"
+    return "pass" if r.correct else f"FAIL ({r.match_fraction:.1%})"
+
+
+def render_markdown(report: BenchReport, main: str = "qkrope") -> str:
+    """The report as markdown: the per-workload table, geomeans, host/graph times, notes."""
+    lines = []
+    env = report.environment
+    lines.append(f"qkrope bench — {env.get('gpu') or 'no CUDA device'} — model {report.model} "
+                 f"({report.geometry['num_q_heads']}/{report.geometry['num_kv_heads']}/"
+                 f"{report.geometry['head_dim']}) — torch {env['torch']}, triton {env['triton']}, "
+                 f"qkrope {env['qkrope']}")
+    lines.append("")
+    others = [n for n in report.impls if n != main]
+    if report.timed:
+        bw = report.copy_bandwidth
+        lines.append(f"Copy bandwidth measured in this run: {bw / 1e12:.2f} TB/s (read + write); "
+                     f"floor = SPEC §4 bytes / that. Times: GPU µs per call (CUPTI, L2 flushed, "
+                     f"median of {report.settings['iters']}).")
+        lines.append("")
+        head = ["#", "S", "C", "B", "tokens", "floor µs", f"{main} µs", "p20–p80",
+                "% copy BW", "% spec BW"]
+        for o in others:
+            head.append(f"{o} µs")
+        for o in others:
+            head.append(f"× vs {o}")
+        head.append("correct")
+        lines.append("| " + " | ".join(head) + " |")
+        lines.append("|" + "---|" * len(head))
+        for w in report.workloads:
+            m = w.impls.get(main)
+            row = [str(w.index), str(w.seq_len), str(w.cache_len), str(w.batch), str(w.tokens),
+                   _f(w.floor_us)]
+            if m and m.median_us:
+                row += [_f(m.median_us), f"{m.p20_us:.2f}–{m.p80_us:.2f}",
+                        _f(100 * w.floor_us / m.median_us, "{:.0f}%"),
+                        _f(100 * w.bytes / (m.median_us * 1e-6) / H200_SPEC_BANDWIDTH, "{:.0f}%")]
+            else:
+                row += ["—"] * 4
+            for o in others:
+                row.append(_f(w.impls[o].median_us) if o in w.impls else "—")
+            for o in others:
+                r = w.impls.get(o)
+                ok = m and m.median_us and r and r.median_us
+                row.append(_f(r.median_us / m.median_us, "{:.1f}×") if ok else "—")
+            row.append(" / ".join(f"{n}: {_status(w.impls.get(n))}" for n in report.impls)
+                       if others else _status(m))
+            lines.append("| " + " | ".join(row) + " |")
+        gm = {n: report.geomean(n) for n in report.impls}
+        fg = report.floor_geomean()
+        lines.append("")
+        lines.append("Geometric mean µs: " + ", ".join(
+            [f"floor {_f(fg)}"] + [f"{n} {_f(gm[n])}" for n in report.impls]))
+        lines.append("")
+        lines.append("Host µs per eager call (wall clock, back-to-back) and µs per call inside a "
+                     "replayed CUDA graph (20 calls per graph, L2 warm):")
+        lines.append("")
+        head2 = ["#", "tokens"] + [f"{n} host" for n in report.impls] + [
+            f"{n} graph" for n in report.impls]
+        lines.append("| " + " | ".join(head2) + " |")
+        lines.append("|" + "---|" * len(head2))
+        for w in report.workloads:
+            row = [str(w.index), str(w.tokens)]
+            row += [_f(w.impls[n].host_us, "{:.1f}") for n in report.impls]
+            row += [_f(w.impls[n].graph_us) for n in report.impls]
+            lines.append("| " + " | ".join(row) + " |")
+    else:
+        lines.append("No CUDA device: checked the real Triton kernel through Triton's interpreter "
+                     "against qkrope.reference (SPEC §2 rule, cache length C+S). "
+                     "Timing needs a CUDA GPU.")
+        lines.append("")
+        lines.append("| # | S | C | B | tokens | atol | worst match | max abs err | correct |")
+        lines.append("|---|---|---|---|---|---|---|---|---|")
+        for w in report.workloads:
+            m = w.impls.get(main) or ImplResult()
+            lines.append(f"| {w.index} | {w.seq_len} | {w.cache_len} | {w.batch} | {w.tokens} | "
+                         f"{w.atol:g} | {_f(m.match_fraction, '{:.4%}')} | "
+                         f"{_f(m.max_abs_err, '{:.3g}')} | {_status(m)} |")
+    errors = [(w.index, n, r.error) for w in report.workloads for n, r in w.impls.items()
+              if r.error]
+    if errors:
+        lines.append("")
+        lines += [f"- error in #{i} {n}: {e}" for i, n, e in errors]
+    if report.skipped:
+        lines.append("")
+        lines += [f"- skipped {n}: {why}" for n, why in report.skipped.items()]
+    return "\n".join(lines) + "\n"
+
+
+def write_json(report: BenchReport, path: str) -> None:
+    data = asdict(report)
+    data["geomean_us"] = {n: report.geomean(n) for n in report.impls}
+    data["floor_geomean_us"] = report.floor_geomean()
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+
+
+def write_plot(report: BenchReport, path: str) -> None:
+    """Latency vs tokens on log axes for each implementation, with the bandwidth floor."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise RuntimeError("--plot needs matplotlib: pip install 'qkrope[plot]'") from e
+    if not report.timed:
+        raise RuntimeError("--plot needs timings, and timing needs a CUDA GPU")
+    ws = sorted(report.workloads, key=lambda w: (w.tokens, w.batch))
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    for n in report.impls:
+        pts = [(w.tokens, w.impls[n].median_us) for w in ws if w.impls[n].median_us]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", ms=4, label=n)
+    ax.plot([w.tokens for w in ws], [w.floor_us for w in ws], "k--", lw=1,
+            label=f"floor (bytes / {report.copy_bandwidth / 1e12:.2f} TB/s copy)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens (B·S)")
+    ax.set_ylabel("GPU µs per call (median, L2 flushed)")
+    env = report.environment
+    ax.set_title(f"QK-norm + RoPE + KV-cache write, {report.model}\n{env.get('gpu')}, torch "
+                 f"{env['torch']}, triton {env['triton']}", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,196 @@
+"""Timing per SPEC.md §3: GPU time of a call's kernels from CUPTI activity records, L2 flushed
+before every call, warm-ups, then order statistics; plus host time per eager call, CUDA-graph
+replay time and the device-to-device copy bandwidth that the floor is measured against.
+
+The pure functions (grouping of kernel records into calls, statistics) take plain data so they
+are tested on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = [
+    "KernelRecord", "Stats", "summarize", "split_calls", "L2Flusher", "cupti_call_times_us",
+    "host_time_per_call_us", "graph_replay_time_us", "copy_bandwidth",
+]
+
+FLUSH_KERNEL_NAME = "qkrope_l2_flush_kernel"
+
+
+@dataclass(frozen=True)
+class KernelRecord:
+    """One GPU activity (kernel, memcpy or memset): name and [start, end) in ns."""
+
+    name: str
+    start_ns: int
+    end_ns: int
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Order statistics of per-call times in µs."""
+
+    median: float
+    p20: float
+    p80: float
+    n: int
+
+    def as_dict(self) -> dict:
+        return {"median_us": self.median, "p20_us": self.p20, "p80_us": self.p80, "n": self.n}
+
+
+def _quantile(sorted_xs: Sequence[float], q: float) -> float:
+    """Linear-interpolated quantile of an already sorted sequence (numpy's default method)."""
+    pos = q * (len(sorted_xs) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_xs) - 1)
+    return sorted_xs[lo] + (sorted_xs[hi] - sorted_xs[lo]) * (pos - lo)
+
+
+def summarize(times_us: Sequence[float]) -> Stats:
+    if not times_us:
+        raise ValueError("no timings to summarize")
+    xs = sorted(times_us)
+    return Stats(statistics.median(xs), _quantile(xs, 0.2), _quantile(xs, 0.8), len(xs))
+
+
+def split_calls(records: Sequence[KernelRecord], marker: str = FLUSH_KERNEL_NAME) -> list[float]:
+    """Per-call GPU time in µs: records are cut into calls at each ``marker`` kernel (the L2
+    flush launched before every call); a call spans its first record's start to its last
+    record's end, so gaps between several kernels of one call count (SPEC §3)."""
+    calls: list[list[KernelRecord]] = []
+    current: list[KernelRecord] | None = None
+    for rec in sorted(records, key=lambda r: r.start_ns):
+        if marker in rec.name:
+            current = []
+            calls.append(current)
+        elif current is not None:
+            current.append(rec)
+    times = []
+    for i, call in enumerate(calls):
+        if not call:
+            raise RuntimeError(f"call {i} launched no GPU work between two L2 flushes")
+        times.append((max(r.end_ns for r in call) - min(r.start_ns for r in call)) / 1e3)
+    return times
+
+
+@triton.jit
+def qkrope_l2_flush_kernel(buf_ptr, n, value, BLOCK: tl.constexpr):
+    # A uniquely named kernel so the timing code can find call boundaries in CUPTI records.
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(buf_ptr + offs, tl.full((BLOCK,), value, tl.int32), mask=offs < n)
+
+
+class L2Flusher:
+    """Writes a buffer of twice the device's L2 size, evicting whatever the last call left."""
+
+    BLOCK = 4096
+
+    def __init__(self, device: torch.device | str = "cuda"):
+        props = torch.cuda.get_device_properties(device)
+        l2 = getattr(props, "L2_cache_size", 0) or 64 * 2**20
+        self.buf = torch.empty(2 * l2 // 4, dtype=torch.int32, device=device)
+        self._i = 0
+
+    def __call__(self) -> None:
+        self._i += 1
+        n = self.buf.numel()
+        qkrope_l2_flush_kernel[(triton.cdiv(n, self.BLOCK),)](self.buf, n, self._i,
+                                                                BLOCK=self.BLOCK)
+
+
+def _gpu_records(prof) -> list[KernelRecord]:
+    recs = []
+    for e in prof.profiler.kineto_results.events():
+        if e.device_type() != torch.autograd.DeviceType.CUDA:
+            continue
+        recs.append(KernelRecord(e.name(), e.start_ns(), e.start_ns() + e.duration_ns()))
+    return recs
+
+
+def cupti_call_times_us(fn: Callable[[], object], flush: L2Flusher, *, iters: int = 50,
+                        warmup: int = 10) -> list[float]:
+    """GPU time of each of ``iters`` calls of ``fn`` (µs), each preceded by an L2 flush."""
+    for _ in range(warmup):
+        flush()
+        fn()
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(iters):
+            flush()
+            fn()
+        torch.cuda.synchronize()
+    times = split_calls(_gpu_records(prof))
+    if len(times) != iters:
+        raise RuntimeError(f"expected {iters} timed calls in the CUPTI trace, found {len(times)}")
+    return times
+
+
+def host_time_per_call_us(fn: Callable[[], object], calls: int = 2000) -> float:
+    """Wall-clock µs per call over ``calls`` back-to-back eager calls (what an eager caller
+    waits for when the GPU keeps up: Python, checks, allocation and launch)."""
+    for _ in range(min(calls, 20)):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def graph_replay_time_us(fn: Callable[[], object], calls_per_graph: int = 20,
+                         replays: int = 20) -> float:
+    """µs per call when ``calls_per_graph`` calls are captured in one CUDA graph and replayed
+    (L2 warm; the per-op cost inside a captured decode step). Raises if ``fn`` can't be captured."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls_per_graph):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    per_call = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        per_call.append(start.elapsed_time(end) * 1e3 / calls_per_graph)
+    del graph
+    return statistics.median(per_call)
+
+
+def copy_bandwidth(nbytes: int = 2**31, iters: int = 20) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written
+    (median over ``iters`` copies of an ``nbytes`` buffer, far larger than L2)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(iters):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3)
+    del src, dst
+    return 2 * nbytes / statistics.median(times)

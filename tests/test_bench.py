@@ -1,0 +1,98 @@
+"""Benchmark machinery on plain data (no GPU needed): call splitting, statistics, rendering,
+JSON, the plot, and the CLI's CPU path."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from qkrope.bench.runner import BenchReport, ImplResult, WorkloadResult, render_markdown, \
+    sweep_workloads, write_json, write_plot
+from qkrope.bench.timing import FLUSH_KERNEL_NAME, KernelRecord, split_calls, summarize
+from qkrope.cli import main
+from qkrope.suite import SUITE, bytes_moved
+
+
+def test_split_calls_spans_first_start_to_last_end_including_gaps():
+    F = FLUSH_KERNEL_NAME
+    recs = [
+        KernelRecord(F, 0, 100), KernelRecord("a", 200, 210), KernelRecord("b", 230, 250),
+        KernelRecord(F, 300, 400), KernelRecord("a", 500, 503),
+        KernelRecord(F, 600, 700), KernelRecord("memset", 710, 711), KernelRecord("a", 720, 730),
+    ]
+    assert split_calls(list(reversed(recs))) == [0.05, 0.003, 0.02]
+
+
+def test_split_calls_rejects_a_call_without_gpu_work():
+    F = FLUSH_KERNEL_NAME
+    with pytest.raises(RuntimeError, match="call 0"):
+        split_calls([KernelRecord(F, 0, 1), KernelRecord(F, 2, 3), KernelRecord("a", 4, 5)])
+
+
+def test_summarize_order_statistics():
+    s = summarize([5.0, 1.0, 3.0, 2.0, 4.0])
+    assert (s.median, s.p20, s.p80, s.n) == (3.0, 1.8, 4.2, 5)
+    with pytest.raises(ValueError):
+        summarize([])
+
+
+def test_bytes_model_matches_spec():
+    # SPEC §4: 59,392 B per token for 96/8/128 plus 16 B of indices.
+    assert bytes_moved(SUITE[0]) == 59392 + 16
+    assert bytes_moved(SUITE[12]) == 4096 * (59392 + 16)
+
+
+def test_sweep_covers_one_to_16384_tokens():
+    ws = sweep_workloads()
+    tokens = sorted({w.tokens for w in ws})
+    assert tokens[0] == 1 and tokens[-1] == 16384
+    assert any(w.seq_len == 1 and w.batch > 1 for w in ws)
+
+
+def fake_report(timed=True):
+    ws = []
+    for i, (w, t) in enumerate(zip(SUITE[:3], (2.0, 3.0, 6.0)), 1):
+        impls = {
+            "qkrope": ImplResult(True, 1.0, 0.0, t, t * 0.9, t * 1.1, 9.0, t * 0.8),
+            "eager": ImplResult(True, 1.0, 0.0, 100 * t, 90 * t, 110 * t, 300.0, None),
+        }
+        ws.append(WorkloadResult(i, w.seq_len, w.cache_len, w.batch, w.atol, w.tokens,
+                                 bytes_moved(w), 1.0 if timed else None, impls))
+    return BenchReport("qwen3-coder-480b", {"num_q_heads": 96, "num_kv_heads": 8,
+                                            "head_dim": 128}, timed, 4.25e12 if timed else None,
+                       ["qkrope", "eager"], {"liger": "liger-kernel is not installed"}, ws,
+                       {"gpu": "FakeGPU", "torch": "x", "triton": "y", "qkrope": "z"},
+                       {"iters": 50})
+
+
+def test_render_markdown_table_and_geomean():
+    rep = fake_report()
+    text = render_markdown(rep)
+    assert math.isclose(rep.geomean("qkrope"), (2 * 3 * 6) ** (1 / 3))
+    assert "| 1 | 1 | 0 | 1 | 1 | 1.00 | 2.00 | 1.80–2.20 | 50% |" in text
+    assert "100.0×" in text and "skipped liger: liger-kernel is not installed" in text
+    assert f"qkrope {rep.geomean('qkrope'):.2f}" in text
+
+
+def test_json_and_plot(tmp_path):
+    rep = fake_report()
+    write_json(rep, tmp_path / "r.json")
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["workloads"][2]["impls"]["qkrope"]["median_us"] == 6.0
+    assert data["geomean_us"]["qkrope"] == pytest.approx(rep.geomean("qkrope"))
+    write_plot(rep, tmp_path / "r.png")
+    assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path of the CLI")
+def test_cli_on_cpu_checks_through_interpreter_and_exits_zero(capsys, tmp_path):
+    rc = main(["bench", "--shape", "5,3,2", "--shape", "1,0,1", "--json", str(tmp_path / "o.json"),
+               "--plot", str(tmp_path / "o.png")])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "Timing needs a CUDA GPU" in out and "| 1 | 5 | 3 | 2 | 10 |" in out
+    assert out.count("pass") == 2
+    data = json.loads((tmp_path / "o.json").read_text())
+    assert data["timed"] is False and data["workloads"][0]["impls"]["qkrope"]["correct"] is True
+    assert not (tmp_path / "o.png").exists()
