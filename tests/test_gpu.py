@@ -61,3 +61,24 @@ def test_model_geometries(model):
     ref = qkrope.reference(*args, inplace=False)
     for chk in check_outputs(qkrope.run(*args), ref, w.atol):
         assert chk.ok, chk
+
+
+def test_fast_launch_path_is_used_and_respects_specialization():
+    # The cached direct launch must only be reused for the exact signature it was compiled
+    # for: a misaligned view of the same shape and strides has to take the checked path.
+    from qkrope.ops.qknorm_rope_cache import launcher
+
+    case = Case(B=2, Hq=8, Hkv=2, S=9, D=128, L=64, start=40, noncontig=True)
+    args = make_inputs(case, device="cuda")
+    launcher._PLANS.clear()
+    run_and_check(args)
+    assert len(launcher._PLANS) == 1
+    run_and_check(args)  # now through the plan (query_out/key_out given: a second signature)
+    run_and_check(args, use_out=False)
+    n = len(launcher._PLANS)
+    flat = torch.randn(2 * 9 * 12 * 128 + 1, device="cuda", dtype=torch.bfloat16)
+    q_misaligned = flat[1:].view(2, 9, 12, 128)[:, :, :8].transpose(1, 2)  # 2-byte offset
+    assert q_misaligned.stride() == args[0].stride()
+    assert q_misaligned.data_ptr() % 16 != 0
+    run_and_check((q_misaligned, *args[1:]), use_out=False)
+    assert len(launcher._PLANS) == n + 1

@@ -124,35 +124,36 @@ def qknorm_rope_cache_kernel(
     d3 = tl.arange(0, HALF)[None, None, :]
     n_q_blocks = tl.cdiv(Hq, BLOCK_HQ)
 
+    # Triton needs a value assigned in both branches to have one type, so names differ by branch.
     if pid_h < n_q_blocks:
-        h = pid_h * BLOCK_HQ + tl.arange(0, BLOCK_HQ)[:, None, None]
-        mask = (h < Hq) & (s3 < S)
-        x_off = _offsets(b, h, s3, d3, stride_q_b, stride_q_h, stride_q_s, stride_q_d)
-        o1, o2 = _norm_rope(q_ptr, x_off, HALF * stride_q_d, mask, q_w_ptr, stride_q_w,
+        hq = pid_h * BLOCK_HQ + tl.arange(0, BLOCK_HQ)[:, None, None]
+        q_mask = (hq < Hq) & (s3 < S)
+        q_off = _offsets(b, hq, s3, d3, stride_q_b, stride_q_h, stride_q_s, stride_q_d)
+        q1, q2 = _norm_rope(q_ptr, q_off, HALF * stride_q_d, q_mask, q_w_ptr, stride_q_w,
                             cos, sin, eps, HALF, INTERPRETER)
-        o_off = _offsets(b, h, s3, d3, stride_qo_b, stride_qo_h, stride_qo_s, stride_qo_d)
-        tl.store(q_out_ptr + o_off, o1, mask=mask)
-        tl.store(q_out_ptr + o_off + HALF * stride_qo_d, o2, mask=mask)
+        qo_off = _offsets(b, hq, s3, d3, stride_qo_b, stride_qo_h, stride_qo_s, stride_qo_d)
+        tl.store(q_out_ptr + qo_off, q1, mask=q_mask)
+        tl.store(q_out_ptr + qo_off + HALF * stride_qo_d, q2, mask=q_mask)
     else:
-        h = (pid_h - n_q_blocks) * BLOCK_HKV + tl.arange(0, BLOCK_HKV)[:, None, None]
-        mask = (h < Hkv) & (s3 < S)
-        x_off = _offsets(b, h, s3, d3, stride_k_b, stride_k_h, stride_k_s, stride_k_d)
-        o1, o2 = _norm_rope(k_ptr, x_off, HALF * stride_k_d, mask, k_w_ptr, stride_k_w,
+        hk = (pid_h - n_q_blocks) * BLOCK_HKV + tl.arange(0, BLOCK_HKV)[:, None, None]
+        k_mask = (hk < Hkv) & (s3 < S)
+        k_off = _offsets(b, hk, s3, d3, stride_k_b, stride_k_h, stride_k_s, stride_k_d)
+        k1, k2 = _norm_rope(k_ptr, k_off, HALF * stride_k_d, k_mask, k_w_ptr, stride_k_w,
                             cos, sin, eps, HALF, INTERPRETER)
-        o_off = _offsets(b, h, s3, d3, stride_ko_b, stride_ko_h, stride_ko_s, stride_ko_d)
-        tl.store(k_out_ptr + o_off, o1, mask=mask)
-        tl.store(k_out_ptr + o_off + HALF * stride_ko_d, o2, mask=mask)
+        ko_off = _offsets(b, hk, s3, d3, stride_ko_b, stride_ko_h, stride_ko_s, stride_ko_d)
+        tl.store(k_out_ptr + ko_off, k1, mask=k_mask)
+        tl.store(k_out_ptr + ko_off + HALF * stride_ko_d, k2, mask=k_mask)
 
         # Cache rows outside [0, L) (e.g. -1 padding) are skipped, never written out of bounds.
         row = tl.load(cache_pos_ptr + s_idx.to(tl.int64) * stride_cache_pos, mask=s_mask, other=-1)
         row3 = row[None, :, None]
-        row_mask = mask & (row3 >= 0) & (row3 < L)
-        kc_off = _offsets(b, h, row3, d3, stride_kc_b, stride_kc_h, stride_kc_l, stride_kc_d)
-        tl.store(k_cache_ptr + kc_off, o1, mask=row_mask)
-        tl.store(k_cache_ptr + kc_off + HALF * stride_kc_d, o2, mask=row_mask)
+        row_mask = k_mask & (row3 >= 0) & (row3 < L)
+        kc_off = _offsets(b, hk, row3, d3, stride_kc_b, stride_kc_h, stride_kc_l, stride_kc_d)
+        tl.store(k_cache_ptr + kc_off, k1, mask=row_mask)
+        tl.store(k_cache_ptr + kc_off + HALF * stride_kc_d, k2, mask=row_mask)
 
         d_full = tl.arange(0, 2 * HALF)[None, None, :]
-        v_off = _offsets(b, h, s3, d_full, stride_v_b, stride_v_h, stride_v_s, stride_v_d)
-        v = tl.load(v_ptr + v_off, mask=mask, other=0.0)
-        vc_off = _offsets(b, h, row3, d_full, stride_vc_b, stride_vc_h, stride_vc_l, stride_vc_d)
+        v_off = _offsets(b, hk, s3, d_full, stride_v_b, stride_v_h, stride_v_s, stride_v_d)
+        v = tl.load(v_ptr + v_off, mask=k_mask, other=0.0)
+        vc_off = _offsets(b, hk, row3, d_full, stride_vc_b, stride_vc_h, stride_vc_l, stride_vc_d)
         tl.store(v_cache_ptr + vc_off, v, mask=row_mask)

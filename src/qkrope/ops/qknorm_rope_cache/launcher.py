@@ -200,9 +200,109 @@ def fused_rope_with_qk_norm_and_kv_cache_update(
     Returns:
         ``(query_rotated, key_rotated, key_cache_out, value_cache_out)``.
     """
-    B, Hq, Hkv, S, D, L = check_inputs(query, key, value, position_ids, key_cache, value_cache,
-                                       cache_position, q_norm_weight, k_norm_weight, inv_freq,
-                                       rms_norm_eps)
+    if validate or not inplace:  # both cost far more than the checks: check first
+        check_inputs(query, key, value, position_ids, key_cache, value_cache, cache_position,
+                     q_norm_weight, k_norm_weight, inv_freq, rms_norm_eps)
+        if validate:
+            _check_cache_position_range(cache_position, key_cache.shape[2])
+        if not inplace:
+            key_cache, value_cache = key_cache.clone(), value_cache.clone()
+    tensors = [query, key, value, position_ids, key_cache, value_cache, cache_position,
+               q_norm_weight, k_norm_weight, inv_freq]
+    plan = _PLANS.get(_plan_key(tensors, query_out, key_out)) if _fast_path_ok() else None
+    if plan is None or type(rms_norm_eps) is not float or not 0.0 <= rms_norm_eps < math.inf:
+        return _checked_call(tensors, rms_norm_eps, query_out, key_out)
+    if query_out is None:
+        query_out = torch.empty(plan.q_out_shape, dtype=query.dtype, device=query.device)
+    if key_out is None:
+        key_out = torch.empty(plan.k_out_shape, dtype=query.dtype, device=query.device)
+    plan.launch(tensors, query_out, key_out, rms_norm_eps)
+    return query_out, key_out, key_cache, value_cache
+
+
+# --------------------------------------------------------------------------------------------
+# launching
+# --------------------------------------------------------------------------------------------
+def _kernel_args(query, key, value, position_ids, key_cache, value_cache, cache_position,
+                 q_norm_weight, k_norm_weight, inv_freq, rms_norm_eps, query_out, key_out,
+                 cfg: TileConfig) -> tuple[tuple[int, int, int], list, dict]:
+    """``(grid, positional args, constexpr kwargs)`` for one launch; the only place that maps
+    tensors and strides onto the kernel's parameters."""
+    B, Hq, S, D = query.shape
+    Hkv, L = key.shape[1], key_cache.shape[2]
+    grid = (triton.cdiv(S, cfg.block_s),
+            triton.cdiv(Hq, cfg.block_hq) + triton.cdiv(Hkv, cfg.block_hkv), B)
+    # [1, S] positions broadcast over the batch through a zero batch stride.
+    pos_stride_b = position_ids.stride(0) if position_ids.shape[0] == B else 0
+    args = [
+        query, key, value, position_ids, key_cache, value_cache, cache_position,
+        q_norm_weight, k_norm_weight, inv_freq, query_out, key_out,
+        float(rms_norm_eps), S, Hq, Hkv, L,
+        *query.stride(), *key.stride(), *value.stride(),
+        *query_out.stride(), *key_out.stride(),
+        *key_cache.stride(), *value_cache.stride(),
+        pos_stride_b, position_ids.stride(1), cache_position.stride(0),
+        q_norm_weight.stride(0), k_norm_weight.stride(0), inv_freq.stride(0),
+    ]
+    meta = dict(HALF=D // 2, BLOCK_HQ=cfg.block_hq, BLOCK_HKV=cfg.block_hkv,
+                BLOCK_S=cfg.block_s, INTERPRETER=interpreting())
+    return grid, args, meta
+
+
+def launch(query, key, value, position_ids, key_cache, value_cache, cache_position,
+           q_norm_weight, k_norm_weight, inv_freq, rms_norm_eps, query_out, key_out,
+           cfg: TileConfig):
+    """Launch through Triton's normal path on already-checked arguments; returns what Triton's
+    launch returns (the compiled kernel on a GPU)."""
+    grid, args, meta = _kernel_args(query, key, value, position_ids, key_cache, value_cache,
+                                    cache_position, q_norm_weight, k_norm_weight, inv_freq,
+                                    rms_norm_eps, query_out, key_out, cfg)
+    return qknorm_rope_cache_kernel[grid](*args, **meta, num_warps=cfg.num_warps)
+
+
+class _Plan(NamedTuple):
+    """A compiled kernel bound to one argument signature (shapes, strides, dtypes, devices,
+    pointer alignment): everything Triton specializes on is fixed by that signature, so the
+    compiled kernel can be launched directly, skipping argument checks and Triton's binder."""
+
+    kernel: object               # triton CompiledKernel
+    grid: tuple[int, int, int]
+    tail: tuple                  # the launch arguments after rms_norm_eps, constexprs included
+    q_out_shape: torch.Size
+    k_out_shape: torch.Size
+    device_index: int
+
+    def launch(self, tensors, query_out, key_out, eps: float) -> None:
+        k = self.kernel
+        k.run(*self.grid, torch.cuda.current_stream(self.device_index).cuda_stream, k.function,
+              k.packed_metadata, None, None, None, *tensors, query_out, key_out, eps, *self.tail)
+
+
+_PLANS: dict[tuple, _Plan] = {}
+
+
+def _fast_path_ok() -> bool:
+    # Launch hooks (e.g. Triton's profiler) only run on Triton's normal path.
+    return not interpreting() and triton.knobs.runtime.launch_enter_hook is None
+
+
+def _plan_key(tensors, query_out, key_out) -> tuple:
+    key = []
+    for t in (*tensors, query_out, key_out):
+        if t is None:
+            key.append(None)
+        else:
+            key += (t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() % 16 == 0)
+    return tuple(key)
+
+
+def _checked_call(tensors, rms_norm_eps, query_out, key_out):
+    """The full path: check every argument, allocate outputs, launch through Triton, and
+    remember the compiled kernel for this signature."""
+    (query, key, value, position_ids, key_cache, value_cache, cache_position,
+     q_norm_weight, k_norm_weight, inv_freq) = tensors
+    B, Hq, Hkv, S, D, L = check_inputs(*tensors, rms_norm_eps)
+    plan_key = _plan_key(tensors, query_out, key_out)
     if query_out is None:
         query_out = torch.empty_like(query, memory_format=torch.contiguous_format)
     else:
@@ -211,26 +311,12 @@ def fused_rope_with_qk_norm_and_kv_cache_update(
         key_out = torch.empty_like(key, memory_format=torch.contiguous_format)
     else:
         _check_out("key_out", key_out, key)
-    if validate:
-        _check_cache_position_range(cache_position, L)
-    if not inplace:
-        key_cache, value_cache = key_cache.clone(), value_cache.clone()
-
-    pos = position_ids.expand(B, S)
-    interpret = interpreting()
-    cfg = pick_config(B, Hq, Hkv, S, D, interpret)
-    grid = (triton.cdiv(S, cfg.block_s),
-            triton.cdiv(Hq, cfg.block_hq) + triton.cdiv(Hkv, cfg.block_hkv), B)
-    qknorm_rope_cache_kernel[grid](
-        query, key, value, pos, key_cache, value_cache, cache_position,
-        q_norm_weight, k_norm_weight, inv_freq, query_out, key_out,
-        float(rms_norm_eps), S, Hq, Hkv, L,
-        *query.stride(), *key.stride(), *value.stride(),
-        *query_out.stride(), *key_out.stride(),
-        *key_cache.stride(), *value_cache.stride(),
-        *pos.stride(), cache_position.stride(0), q_norm_weight.stride(0),
-        k_norm_weight.stride(0), inv_freq.stride(0),
-        HALF=D // 2, BLOCK_HQ=cfg.block_hq, BLOCK_HKV=cfg.block_hkv, BLOCK_S=cfg.block_s,
-        INTERPRETER=interpret, num_warps=cfg.num_warps,
-    )
+    cfg = pick_config(B, Hq, Hkv, S, D, interpreting())
+    grid, args, meta = _kernel_args(*tensors, rms_norm_eps, query_out, key_out, cfg)
+    compiled = qknorm_rope_cache_kernel[grid](*args, **meta, num_warps=cfg.num_warps)
+    if _fast_path_ok() and hasattr(compiled, "run") and len(_PLANS) < 4096:
+        names = qknorm_rope_cache_kernel.arg_names
+        tail = (*args[13:], *(meta[n] for n in names[len(args):]))
+        _PLANS[plan_key] = _Plan(compiled, grid, tail, query_out.shape, key_out.shape,
+                                 query.get_device())
     return query_out, key_out, key_cache, value_cache
