@@ -45,8 +45,10 @@ def _round(x, DT: tl.constexpr, INTERPRETER: tl.constexpr):
 def _rope_cos_sin(
     pos_ptr, inv_freq_ptr, b, s_idx, s_mask, stride_pos_b, stride_pos_s, stride_inv_freq,
     OUT_DTYPE: tl.constexpr, HALF: tl.constexpr, INTERPRETER: tl.constexpr,
+    NATIVE_MATH: tl.constexpr,
 ):
-    """[BLOCK_S, HALF] cos/sin as fp32 holding values rounded to ``OUT_DTYPE`` (SPEC step 2)."""
+    """[BLOCK_S, HALF] cos/sin rounded to ``OUT_DTYPE`` (SPEC step 2): as ``OUT_DTYPE`` with
+    ``NATIVE_MATH``, else as fp32 holding the rounded values."""
     pos = tl.load(pos_ptr + b.to(tl.int64) * stride_pos_b + s_idx.to(tl.int64) * stride_pos_s,
                   mask=s_mask, other=0)
     inv = tl.load(inv_freq_ptr + tl.arange(0, HALF) * stride_inv_freq).to(tl.float32)
@@ -59,12 +61,14 @@ def _rope_cos_sin(
         # libdevice versions do full range reduction (the same code torch's CUDA cos runs).
         cos = libdevice.cos(angle)
         sin = libdevice.sin(angle)
+    if NATIVE_MATH:
+        return cos.to(OUT_DTYPE), sin.to(OUT_DTYPE)
     return _round(cos, OUT_DTYPE, INTERPRETER), _round(sin, OUT_DTYPE, INTERPRETER)
 
 
 @triton.jit
 def _norm_rope(x_ptr, x_off, x_half_step, mask, w_ptr, stride_w, cos, sin, eps,
-               HALF: tl.constexpr, INTERPRETER: tl.constexpr):
+               HALF: tl.constexpr, INTERPRETER: tl.constexpr, NATIVE_MATH: tl.constexpr):
     """RMSNorm + NeoX rotation of a [BLOCK_H, BLOCK_S, HALF]-halved tile; returns both halves.
 
     Rounding points follow SPEC §1: one rounding after the fp32 weight multiply, one after each
@@ -79,6 +83,13 @@ def _norm_rope(x_ptr, x_off, x_half_step, mask, w_ptr, stride_w, cos, sin, eps,
     # 1/D is a power of two for every supported head_dim, so this equals torch's sum * (1/D).
     mean_sq = (tl.sum(x1 * x1, axis=2) + tl.sum(x2 * x2, axis=2)) * (0.5 / HALF)
     rstd = tl.math.rsqrt(mean_sq + eps)[:, :, None]
+    if NATIVE_MATH:
+        # A product of two DT values is exact in fp32, and the sum of two DT values rounds to
+        # the same DT value directly or through fp32, so DT arithmetic here equals eager
+        # PyTorch's fp32-then-round ops. fp fusion is off at launch: an FMA would skip a rounding.
+        n1 = (w1 * (x1 * rstd)).to(DT)
+        n2 = (w2 * (x2 * rstd)).to(DT)
+        return n1 * cos - n2 * sin, n2 * cos + n1 * sin
     n1 = _round(w1 * (x1 * rstd), DT, INTERPRETER)
     n2 = _round(w2 * (x2 * rstd), DT, INTERPRETER)
     o1 = _round(n1 * cos, DT, INTERPRETER) - _round(n2 * sin, DT, INTERPRETER)
@@ -101,7 +112,7 @@ def qknorm_rope_cache_kernel(
     stride_vc_b, stride_vc_h, stride_vc_l, stride_vc_d,
     stride_pos_b, stride_pos_s, stride_cache_pos, stride_q_w, stride_k_w, stride_inv_freq,
     HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_S: tl.constexpr,
-    INTERPRETER: tl.constexpr,
+    INTERPRETER: tl.constexpr, NATIVE_MATH: tl.constexpr,
 ):
     """Grid: (cdiv(S, BLOCK_S), cdiv(Hq, BLOCK_HQ) + cdiv(Hkv, BLOCK_HKV), B).
 
@@ -116,7 +127,8 @@ def qknorm_rope_cache_kernel(
     s_idx = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
     s_mask = s_idx < S
     cos, sin = _rope_cos_sin(pos_ptr, inv_freq_ptr, b, s_idx, s_mask, stride_pos_b, stride_pos_s,
-                             stride_inv_freq, q_ptr.dtype.element_ty, HALF, INTERPRETER)
+                             stride_inv_freq, q_ptr.dtype.element_ty, HALF, INTERPRETER,
+                             NATIVE_MATH)
     cos = cos[None, :, :]
     sin = sin[None, :, :]
 
@@ -130,7 +142,7 @@ def qknorm_rope_cache_kernel(
         q_mask = (hq < Hq) & (s3 < S)
         q_off = _offsets(b, hq, s3, d3, stride_q_b, stride_q_h, stride_q_s, stride_q_d)
         q1, q2 = _norm_rope(q_ptr, q_off, HALF * stride_q_d, q_mask, q_w_ptr, stride_q_w,
-                            cos, sin, eps, HALF, INTERPRETER)
+                            cos, sin, eps, HALF, INTERPRETER, NATIVE_MATH)
         qo_off = _offsets(b, hq, s3, d3, stride_qo_b, stride_qo_h, stride_qo_s, stride_qo_d)
         tl.store(q_out_ptr + qo_off, q1, mask=q_mask)
         tl.store(q_out_ptr + qo_off + HALF * stride_qo_d, q2, mask=q_mask)
@@ -139,7 +151,7 @@ def qknorm_rope_cache_kernel(
         k_mask = (hk < Hkv) & (s3 < S)
         k_off = _offsets(b, hk, s3, d3, stride_k_b, stride_k_h, stride_k_s, stride_k_d)
         k1, k2 = _norm_rope(k_ptr, k_off, HALF * stride_k_d, k_mask, k_w_ptr, stride_k_w,
-                            cos, sin, eps, HALF, INTERPRETER)
+                            cos, sin, eps, HALF, INTERPRETER, NATIVE_MATH)
         ko_off = _offsets(b, hk, s3, d3, stride_ko_b, stride_ko_h, stride_ko_s, stride_ko_d)
         tl.store(k_out_ptr + ko_off, k1, mask=k_mask)
         tl.store(k_out_ptr + ko_off + HALF * stride_ko_d, k2, mask=k_mask)

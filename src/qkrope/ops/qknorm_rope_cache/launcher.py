@@ -131,6 +131,7 @@ class TileConfig(NamedTuple):
     block_hkv: int   # key/value heads per program
     block_s: int     # tokens per program
     num_warps: int
+    native_math: bool = True  # rotation in the activation dtype (GPU only; see kernel.py)
 
 
 # Elements per tile: ~16 KiB of bf16 per tile keeps registers in bounds at head_dim 256.
@@ -244,8 +245,12 @@ def _kernel_args(query, key, value, position_ids, key_cache, value_cache, cache_
         pos_stride_b, position_ids.stride(1), cache_position.stride(0),
         q_norm_weight.stride(0), k_norm_weight.stride(0), inv_freq.stride(0),
     ]
+    interpret = interpreting()
     meta = dict(HALF=D // 2, BLOCK_HQ=cfg.block_hq, BLOCK_HKV=cfg.block_hkv,
-                BLOCK_S=cfg.block_s, INTERPRETER=interpreting())
+                BLOCK_S=cfg.block_s, INTERPRETER=interpret,
+                NATIVE_MATH=cfg.native_math and not interpret,
+                # The rounding points forbid contracting a product and a sum into one FMA.
+                enable_fp_fusion=False, num_warps=cfg.num_warps)
     return grid, args, meta
 
 
@@ -257,7 +262,7 @@ def launch(query, key, value, position_ids, key_cache, value_cache, cache_positi
     grid, args, meta = _kernel_args(query, key, value, position_ids, key_cache, value_cache,
                                     cache_position, q_norm_weight, k_norm_weight, inv_freq,
                                     rms_norm_eps, query_out, key_out, cfg)
-    return qknorm_rope_cache_kernel[grid](*args, **meta, num_warps=cfg.num_warps)
+    return qknorm_rope_cache_kernel[grid](*args, **meta)
 
 
 class _Plan(NamedTuple):
@@ -313,10 +318,10 @@ def _checked_call(tensors, rms_norm_eps, query_out, key_out):
         _check_out("key_out", key_out, key)
     cfg = pick_config(B, Hq, Hkv, S, D, interpreting())
     grid, args, meta = _kernel_args(*tensors, rms_norm_eps, query_out, key_out, cfg)
-    compiled = qknorm_rope_cache_kernel[grid](*args, **meta, num_warps=cfg.num_warps)
+    compiled = qknorm_rope_cache_kernel[grid](*args, **meta)
     if _fast_path_ok() and hasattr(compiled, "run") and len(_PLANS) < 4096:
         names = qknorm_rope_cache_kernel.arg_names
-        tail = (*args[13:], *(meta[n] for n in names[len(args):]))
+        tail = (*args[13:], *(meta[n] for n in names[len(args):]))  # constexprs, in order
         _PLANS[plan_key] = _Plan(compiled, grid, tail, query_out.shape, key_out.shape,
                                  query.get_device())
     return query_out, key_out, key_cache, value_cache
