@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["qknorm_rope_cache_ref", "rope_cos_sin_ref", "rms_norm_ref", "rotate_neox_ref"]
+__all__ = ["qknorm_rope_cache_ref", "rope_cos_sin_ref", "rms_norm_ref", "rotate_neox_ref",
+           "qk_rotated_fp64"]
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -99,3 +100,26 @@ def qknorm_rope_cache_ref(
     key_cache.index_copy_(2, rows, k_new)
     value_cache.index_copy_(2, rows, v_new)
     return q_rot, k_rot, key_cache, value_cache
+
+
+def qk_rotated_fp64(query, key, position_ids, q_norm_weight, k_norm_weight, inv_freq, eps):
+    """The mathematically exact Q/K results in fp64, independent of the rounding points.
+
+    Only the angle keeps its fp32 multiply (SPEC step 2 defines it so); norm, trig and rotation
+    are fp64. Returns ``((q, q_mag), (k, k_mag))`` where ``*_mag`` is, per element,
+    ``|n1 cos| + |n2 sin|`` (first half) / ``|n2 cos| + |n1 sin|`` (second half): the scale that
+    rounding errors of the products are relative to.
+    """
+    B, _, S, _ = query.shape
+    angle = (position_ids.expand(B, S).float()[..., None] * inv_freq.float()).double()
+    c, s = angle.cos()[:, None], angle.sin()[:, None]
+
+    def one(x, w):
+        x = x.double()
+        n = w.double() * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        n1, n2 = n.chunk(2, -1)
+        exact = torch.cat((n1 * c - n2 * s, n2 * c + n1 * s), -1)
+        mag = torch.cat(((n1 * c).abs() + (n2 * s).abs(), (n2 * c).abs() + (n1 * s).abs()), -1)
+        return exact, mag
+
+    return one(query, q_norm_weight), one(key, k_norm_weight)
