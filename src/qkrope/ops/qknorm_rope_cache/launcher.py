@@ -201,6 +201,13 @@ def fused_rope_with_qk_norm_and_kv_cache_update(
     Returns:
         ``(query_rotated, key_rotated, key_cache_out, value_cache_out)``.
     """
+    if torch.compiler.is_compiling():  # traced: go through the registered custom op
+        from .registration import traced_call
+
+        return traced_call(query, key, value, position_ids, key_cache, value_cache,
+                           cache_position, q_norm_weight, k_norm_weight, inv_freq, rms_norm_eps,
+                           inplace=inplace, query_out=query_out, key_out=key_out,
+                           validate=validate)
     if validate or not inplace:  # both cost far more than the checks: check first
         check_inputs(query, key, value, position_ids, key_cache, value_cache, cache_position,
                      q_norm_weight, k_norm_weight, inv_freq, rms_norm_eps)
