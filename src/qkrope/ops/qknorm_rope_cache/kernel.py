@@ -68,15 +68,17 @@ def _rope_cos_sin(
 
 @triton.jit
 def _norm_rope(x_ptr, x_off, x_half_step, mask, w_ptr, stride_w, cos, sin, eps,
-               HALF: tl.constexpr, INTERPRETER: tl.constexpr, NATIVE_MATH: tl.constexpr):
+               HALF: tl.constexpr, INTERPRETER: tl.constexpr, NATIVE_MATH: tl.constexpr,
+               EVICTION: tl.constexpr):
     """RMSNorm + NeoX rotation of a [BLOCK_H, BLOCK_S, HALF]-halved tile; returns both halves.
 
     Rounding points follow SPEC §1: one rounding after the fp32 weight multiply, one after each
     rotation product and one after each sum.
     """
     DT = x_ptr.dtype.element_ty
-    x1 = tl.load(x_ptr + x_off, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_ptr + x_off + x_half_step, mask=mask, other=0.0).to(tl.float32)
+    x1 = tl.load(x_ptr + x_off, mask=mask, other=0.0, eviction_policy=EVICTION).to(tl.float32)
+    x2 = tl.load(x_ptr + x_off + x_half_step, mask=mask, other=0.0,
+                 eviction_policy=EVICTION).to(tl.float32)
     d = tl.arange(0, HALF)
     w1 = tl.load(w_ptr + d * stride_w).to(tl.float32)[None, None, :]
     w2 = tl.load(w_ptr + (d + HALF) * stride_w).to(tl.float32)[None, None, :]
@@ -112,7 +114,7 @@ def qknorm_rope_cache_kernel(
     stride_vc_b, stride_vc_h, stride_vc_l, stride_vc_d,
     stride_pos_b, stride_pos_s, stride_cache_pos, stride_q_w, stride_k_w, stride_inv_freq,
     HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_S: tl.constexpr,
-    INTERPRETER: tl.constexpr, NATIVE_MATH: tl.constexpr,
+    INTERPRETER: tl.constexpr, NATIVE_MATH: tl.constexpr, EVICTION: tl.constexpr,
 ):
     """Grid: (cdiv(S, BLOCK_S), cdiv(Hq, BLOCK_HQ) + cdiv(Hkv, BLOCK_HKV), B).
 
@@ -142,30 +144,31 @@ def qknorm_rope_cache_kernel(
         q_mask = (hq < Hq) & (s3 < S)
         q_off = _offsets(b, hq, s3, d3, stride_q_b, stride_q_h, stride_q_s, stride_q_d)
         q1, q2 = _norm_rope(q_ptr, q_off, HALF * stride_q_d, q_mask, q_w_ptr, stride_q_w,
-                            cos, sin, eps, HALF, INTERPRETER, NATIVE_MATH)
+                            cos, sin, eps, HALF, INTERPRETER, NATIVE_MATH, EVICTION)
         qo_off = _offsets(b, hq, s3, d3, stride_qo_b, stride_qo_h, stride_qo_s, stride_qo_d)
-        tl.store(q_out_ptr + qo_off, q1, mask=q_mask)
-        tl.store(q_out_ptr + qo_off + HALF * stride_qo_d, q2, mask=q_mask)
+        tl.store(q_out_ptr + qo_off, q1, mask=q_mask, eviction_policy=EVICTION)
+        tl.store(q_out_ptr + qo_off + HALF * stride_qo_d, q2, mask=q_mask, eviction_policy=EVICTION)
     else:
         hk = (pid_h - n_q_blocks) * BLOCK_HKV + tl.arange(0, BLOCK_HKV)[:, None, None]
         k_mask = (hk < Hkv) & (s3 < S)
         k_off = _offsets(b, hk, s3, d3, stride_k_b, stride_k_h, stride_k_s, stride_k_d)
         k1, k2 = _norm_rope(k_ptr, k_off, HALF * stride_k_d, k_mask, k_w_ptr, stride_k_w,
-                            cos, sin, eps, HALF, INTERPRETER, NATIVE_MATH)
+                            cos, sin, eps, HALF, INTERPRETER, NATIVE_MATH, EVICTION)
         ko_off = _offsets(b, hk, s3, d3, stride_ko_b, stride_ko_h, stride_ko_s, stride_ko_d)
-        tl.store(k_out_ptr + ko_off, k1, mask=k_mask)
-        tl.store(k_out_ptr + ko_off + HALF * stride_ko_d, k2, mask=k_mask)
+        tl.store(k_out_ptr + ko_off, k1, mask=k_mask, eviction_policy=EVICTION)
+        tl.store(k_out_ptr + ko_off + HALF * stride_ko_d, k2, mask=k_mask, eviction_policy=EVICTION)
 
         # Cache rows outside [0, L) (e.g. -1 padding) are skipped, never written out of bounds.
         row = tl.load(cache_pos_ptr + s_idx.to(tl.int64) * stride_cache_pos, mask=s_mask, other=-1)
         row3 = row[None, :, None]
         row_mask = k_mask & (row3 >= 0) & (row3 < L)
         kc_off = _offsets(b, hk, row3, d3, stride_kc_b, stride_kc_h, stride_kc_l, stride_kc_d)
-        tl.store(k_cache_ptr + kc_off, k1, mask=row_mask)
-        tl.store(k_cache_ptr + kc_off + HALF * stride_kc_d, k2, mask=row_mask)
+        tl.store(k_cache_ptr + kc_off, k1, mask=row_mask, eviction_policy=EVICTION)
+        tl.store(k_cache_ptr + kc_off + HALF * stride_kc_d, k2, mask=row_mask,
+                 eviction_policy=EVICTION)
 
         d_full = tl.arange(0, 2 * HALF)[None, None, :]
         v_off = _offsets(b, hk, s3, d_full, stride_v_b, stride_v_h, stride_v_s, stride_v_d)
-        v = tl.load(v_ptr + v_off, mask=k_mask, other=0.0)
+        v = tl.load(v_ptr + v_off, mask=k_mask, other=0.0, eviction_policy=EVICTION)
         vc_off = _offsets(b, hk, row3, d_full, stride_vc_b, stride_vc_h, stride_vc_l, stride_vc_d)
-        tl.store(v_cache_ptr + vc_off, v, mask=row_mask)
+        tl.store(v_cache_ptr + vc_off, v, mask=row_mask, eviction_policy=EVICTION)
