@@ -5,6 +5,7 @@ import torch
 from helpers import Case, make_inputs, run_and_check
 
 import qkrope
+import qkrope.suite
 from qkrope.suite import MODELS, SUITE, check_outputs
 from qkrope.suite import make_inputs as suite_inputs
 
@@ -82,3 +83,45 @@ def test_fast_launch_path_is_used_and_respects_specialization():
     assert q_misaligned.data_ptr() % 16 != 0
     run_and_check((q_misaligned, *args[1:]), use_out=False)
     assert len(launcher._PLANS) == n + 1
+
+
+def test_cuda_graph_decode_loop_matches_eager():
+    # A captured decode step, replayed with new tokens, positions and cache rows written into
+    # the static input tensors: same outputs and caches as eager calls.
+    g = torch.Generator(device="cuda").manual_seed(7)
+    B, Hq, Hkv, D, L, steps = 4, 16, 4, 128, 64, 8
+
+    def rnd(*s):
+        return torch.randn(*s, generator=g, device="cuda", dtype=torch.bfloat16)
+
+    q, k, v = rnd(B, Hq, 1, D), rnd(B, Hkv, 1, D), rnd(B, Hkv, 1, D)
+    pos = torch.zeros(B, 1, dtype=torch.int64, device="cuda")
+    row = torch.zeros(1, dtype=torch.int64, device="cuda")
+    kc, vc = rnd(B, Hkv, L, D), rnd(B, Hkv, L, D)
+    kc_eager, vc_eager = kc.clone(), vc.clone()
+    qw, kw = 1 + 0.5 * rnd(D), 1 + 0.5 * rnd(D)
+    inv = qkrope.suite.rope_inv_freq(D, 1e7, "cuda")
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+
+    def step():
+        qkrope.run(q, k, v, pos, kc, vc, row, qw, kw, inv, 1e-6, query_out=q_out, key_out=k_out)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # warm-up compiles and caches the launch plan outside capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for t in range(steps):
+        for x in (q, k, v):
+            x.copy_(rnd(*x.shape))
+        pos.copy_(torch.arange(B, device="cuda")[:, None] * 1000 + 30 + t)
+        row.fill_(30 + t)
+        graph.replay()
+        eq, ek, _, _ = qkrope.run(q, k, v, pos, kc_eager, vc_eager, row, qw, kw, inv, 1e-6)
+        assert torch.equal(q_out, eq) and torch.equal(k_out, ek)
+    torch.cuda.synchronize()
+    assert torch.equal(kc, kc_eager) and torch.equal(vc, vc_eager)
+    assert not torch.equal(kc[:, :, 30:38], kc_eager[:, :, 30:38].roll(1, 2))  # rows really moved
