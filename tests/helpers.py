@@ -82,7 +82,8 @@ def poisoned_like(x: torch.Tensor) -> torch.Tensor:
 
 
 def rope_tolerance(x: torch.Tensor, weight: torch.Tensor, position_ids: torch.Tensor,
-                   inv_freq: torch.Tensor, eps: float) -> torch.Tensor:
+                   inv_freq: torch.Tensor, eps: float, norm_rounding: str = "weight_fp32"
+                   ) -> torch.Tensor:
     """Per-element bound on |fused - reference| for one rotated tensor.
 
     Both compute the same rounding points; they may differ only in fp32 details (sum order of
@@ -91,7 +92,7 @@ def rope_tolerance(x: torch.Tensor, weight: torch.Tensor, position_ids: torch.Te
     itself plus a rounding (u) and the sum by a further rounding: 4u * (|n1 c| + |n2 s|) covers it.
     """
     u = torch.finfo(x.dtype).eps / 2  # unit roundoff
-    n = rms_norm_ref(x, weight, eps).float()
+    n = rms_norm_ref(x, weight, eps, norm_rounding).float()
     cos, sin = rope_cos_sin_ref(position_ids.expand(x.shape[0], x.shape[2]), inv_freq, x.dtype)
     c, s = cos.float()[:, None], sin.float()[:, None]
     n1, n2 = n.chunk(2, dim=-1)
@@ -100,7 +101,8 @@ def rope_tolerance(x: torch.Tensor, weight: torch.Tensor, position_ids: torch.Te
     return 4 * u * torch.cat((b1, b2), dim=-1)
 
 
-def run_and_check(args: tuple, *, exact_fraction: float = 0.99, use_out: bool = True) -> dict:
+def run_and_check(args: tuple, *, exact_fraction: float = 0.99, use_out: bool = True,
+                  norm_rounding: str = "weight_fp32") -> dict:
     """Run the fused op (in place, poisoned outputs) and the reference; assert every contract.
 
     Returns measured figures (max error, fraction bit-identical) for callers that report them.
@@ -108,9 +110,9 @@ def run_and_check(args: tuple, *, exact_fraction: float = 0.99, use_out: bool = 
     (query, key, value, position_ids, key_cache, value_cache, cache_position,
      q_w, k_w, inv_freq, eps) = args
     kc_in, vc_in = key_cache.clone(), value_cache.clone()
-    kwargs = {}
+    kwargs = dict(norm_rounding=norm_rounding)
     if use_out:
-        kwargs = dict(query_out=poisoned_like(query), key_out=poisoned_like(key))
+        kwargs.update(query_out=poisoned_like(query), key_out=poisoned_like(key))
     q_rot, k_rot, kc, vc = qkrope.fused_rope_with_qk_norm_and_kv_cache_update(*args, **kwargs)
     assert kc is key_cache and vc is value_cache, "in-place call must return the given caches"
     if use_out:
@@ -118,14 +120,14 @@ def run_and_check(args: tuple, *, exact_fraction: float = 0.99, use_out: bool = 
 
     ref_q, ref_k, ref_kc, ref_vc = qkrope.reference(
         query, key, value, position_ids, kc_in.clone(), vc_in.clone(), cache_position,
-        q_w, k_w, inv_freq, eps, inplace=True)
+        q_w, k_w, inv_freq, eps, inplace=True, norm_rounding=norm_rounding)
 
     figures = {}
     for name, out, ref, x, w in (("query", q_rot, ref_q, query, q_w),
                                  ("key", k_rot, ref_k, key, k_w)):
         assert not torch.isnan(out).any(), f"{name}_rotated has unwritten (NaN-poisoned) elements"
         err = (out.float() - ref.float()).abs()
-        bound = rope_tolerance(x, w, position_ids, inv_freq, eps)
+        bound = rope_tolerance(x, w, position_ids, inv_freq, eps, norm_rounding)
         worst = (err - bound).max().item()
         assert worst <= 0, f"{name}_rotated: error exceeds derived bound by {worst}"
         same = (out == ref).float().mean().item()

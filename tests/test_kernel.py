@@ -31,6 +31,11 @@ def test_fused_matches_reference(name):
     run_and_check(make_inputs(CASES[name]))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_hf_norm_rounding(dtype):
+    run_and_check(make_inputs(Case(S=9, dtype=dtype, seed=11)), norm_rounding="hf")
+
+
 def test_default_allocation_and_no_mutation_mode():
     args = make_inputs(Case(S=9))
     kc, vc = args[4], args[5]

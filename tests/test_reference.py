@@ -59,3 +59,16 @@ def test_reference_cache_semantics_and_no_mutation_mode():
             assert torch.equal(vc_new[:, :, r], args[2][:, :, s])
     untouched = [r for r in range(c.L) if r not in rows.tolist()]
     assert torch.equal(kc_new[:, :, untouched], kc0[:, :, untouched])
+
+
+def test_hf_norm_rounding_matches_transformers_qwen3_rmsnorm():
+    qwen3 = pytest.importorskip("transformers.models.qwen3.modeling_qwen3")
+    from qkrope.ops.qknorm_rope_cache.reference import rms_norm_ref
+
+    x = torch.randn(3, 5, 128).bfloat16()
+    norm = qwen3.Qwen3RMSNorm(128, eps=1e-6).bfloat16()
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.5 * torch.randn(128))
+        expected = norm(x)
+    assert torch.equal(rms_norm_ref(x, norm.weight.detach(), 1e-6, "hf"), expected)
+    assert not torch.equal(rms_norm_ref(x, norm.weight.detach(), 1e-6), expected)

@@ -101,3 +101,8 @@ def test_out_of_range_rows_skipped_or_raised(row):
     assert torch.equal(args[4][:, :, untouched], kc0[:, :, untouched])
     with pytest.raises(ValueError, match=rf"cache_position holds {row}, outside the cache \[0, 16\)"):
         call(args, validate=True)
+
+
+def test_bad_norm_rounding():
+    with pytest.raises(ValueError, match="norm_rounding must be one of"):
+        call(args_with(), norm_rounding="HF")

@@ -69,11 +69,12 @@ def _rope_cos_sin(
 @triton.jit
 def _norm_rope(x_ptr, x_off, x_half_step, mask, w_ptr, stride_w, cos, sin, eps,
                HALF: tl.constexpr, INTERPRETER: tl.constexpr, NATIVE_MATH: tl.constexpr,
-               EVICTION: tl.constexpr):
+               EVICTION: tl.constexpr, HF_NORM: tl.constexpr):
     """RMSNorm + NeoX rotation of a [BLOCK_H, BLOCK_S, HALF]-halved tile; returns both halves.
 
-    Rounding points follow SPEC §1: one rounding after the fp32 weight multiply, one after each
-    rotation product and one after each sum.
+    Rounding points follow SPEC §1: one rounding after the fp32 weight multiply (or, with
+    ``HF_NORM``, one before and one after a weight multiply in DT), one after each rotation
+    product and one after each sum.
     """
     DT = x_ptr.dtype.element_ty
     x1 = tl.load(x_ptr + x_off, mask=mask, other=0.0, eviction_policy=EVICTION).to(tl.float32)
@@ -85,15 +86,20 @@ def _norm_rope(x_ptr, x_off, x_half_step, mask, w_ptr, stride_w, cos, sin, eps,
     # 1/D is a power of two for every supported head_dim, so this equals torch's sum * (1/D).
     mean_sq = (tl.sum(x1 * x1, axis=2) + tl.sum(x2 * x2, axis=2)) * (0.5 / HALF)
     rstd = tl.math.rsqrt(mean_sq + eps)[:, :, None]
+    if HF_NORM:
+        # HF's Qwen3RMSNorm rounds the normalized row, then multiplies by the weight in DT.
+        n1 = _round(w1 * _round(x1 * rstd, DT, INTERPRETER), DT, INTERPRETER)
+        n2 = _round(w2 * _round(x2 * rstd, DT, INTERPRETER), DT, INTERPRETER)
+    else:
+        n1 = _round(w1 * (x1 * rstd), DT, INTERPRETER)
+        n2 = _round(w2 * (x2 * rstd), DT, INTERPRETER)
     if NATIVE_MATH:
         # A product of two DT values is exact in fp32, and the sum of two DT values rounds to
         # the same DT value directly or through fp32, so DT arithmetic here equals eager
         # PyTorch's fp32-then-round ops. fp fusion is off at launch: an FMA would skip a rounding.
-        n1 = (w1 * (x1 * rstd)).to(DT)
-        n2 = (w2 * (x2 * rstd)).to(DT)
+        n1 = n1.to(DT)
+        n2 = n2.to(DT)
         return n1 * cos - n2 * sin, n2 * cos + n1 * sin
-    n1 = _round(w1 * (x1 * rstd), DT, INTERPRETER)
-    n2 = _round(w2 * (x2 * rstd), DT, INTERPRETER)
     o1 = _round(n1 * cos, DT, INTERPRETER) - _round(n2 * sin, DT, INTERPRETER)
     o2 = _round(n2 * cos, DT, INTERPRETER) + _round(n1 * sin, DT, INTERPRETER)
     # The final cast is exact once _round has run, so the interpreter's truncating cast is safe.
@@ -115,6 +121,7 @@ def qknorm_rope_cache_kernel(
     stride_pos_b, stride_pos_s, stride_cache_pos, stride_q_w, stride_k_w, stride_inv_freq,
     HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_S: tl.constexpr,
     INTERPRETER: tl.constexpr, NATIVE_MATH: tl.constexpr, EVICTION: tl.constexpr,
+    HF_NORM: tl.constexpr,
 ):
     """Grid: (cdiv(S, BLOCK_S), cdiv(Hq, BLOCK_HQ) + cdiv(Hkv, BLOCK_HKV), B).
 
@@ -144,7 +151,7 @@ def qknorm_rope_cache_kernel(
         q_mask = (hq < Hq) & (s3 < S)
         q_off = _offsets(b, hq, s3, d3, stride_q_b, stride_q_h, stride_q_s, stride_q_d)
         q1, q2 = _norm_rope(q_ptr, q_off, HALF * stride_q_d, q_mask, q_w_ptr, stride_q_w,
-                            cos, sin, eps, HALF, INTERPRETER, NATIVE_MATH, EVICTION)
+                            cos, sin, eps, HALF, INTERPRETER, NATIVE_MATH, EVICTION, HF_NORM)
         qo_off = _offsets(b, hq, s3, d3, stride_qo_b, stride_qo_h, stride_qo_s, stride_qo_d)
         tl.store(q_out_ptr + qo_off, q1, mask=q_mask, eviction_policy=EVICTION)
         tl.store(q_out_ptr + qo_off + HALF * stride_qo_d, q2, mask=q_mask, eviction_policy=EVICTION)
@@ -153,7 +160,7 @@ def qknorm_rope_cache_kernel(
         k_mask = (hk < Hkv) & (s3 < S)
         k_off = _offsets(b, hk, s3, d3, stride_k_b, stride_k_h, stride_k_s, stride_k_d)
         k1, k2 = _norm_rope(k_ptr, k_off, HALF * stride_k_d, k_mask, k_w_ptr, stride_k_w,
-                            cos, sin, eps, HALF, INTERPRETER, NATIVE_MATH, EVICTION)
+                            cos, sin, eps, HALF, INTERPRETER, NATIVE_MATH, EVICTION, HF_NORM)
         ko_off = _offsets(b, hk, s3, d3, stride_ko_b, stride_ko_h, stride_ko_s, stride_ko_d)
         tl.store(k_out_ptr + ko_off, k1, mask=k_mask, eviction_policy=EVICTION)
         tl.store(k_out_ptr + ko_off + HALF * stride_ko_d, k2, mask=k_mask, eviction_policy=EVICTION)

@@ -19,6 +19,7 @@ __all__ = ["fused_rope_with_qk_norm_and_kv_cache_update", "check_inputs", "TileC
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
+NORM_ROUNDINGS = ("weight_fp32", "hf")
 
 
 # --------------------------------------------------------------------------------------------
@@ -173,6 +174,7 @@ def fused_rope_with_qk_norm_and_kv_cache_update(
     query_out: torch.Tensor | None = None,
     key_out: torch.Tensor | None = None,
     validate: bool = False,
+    norm_rounding: str = "weight_fp32",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-head RMSNorm on Q and K, NeoX RoPE on both, and the K/V cache write, in one launch.
 
@@ -198,6 +200,10 @@ def fused_rope_with_qk_norm_and_kv_cache_update(
             be ``query`` itself (and ``key_out`` ``key``); no other overlap is allowed.
         validate: also raise ``ValueError`` when ``cache_position`` leaves ``[0, L)`` (costs a
             host sync, so it is off by default and such rows are skipped silently).
+        norm_rounding: ``"weight_fp32"`` (default; SPEC §1 and the public benchmark): the weight
+            multiply happens in fp32 before the one rounding of the normalized row. ``"hf"``:
+            as HF transformers' ``Qwen3RMSNorm``, the normalized row is rounded first and then
+            multiplied by the weight in the activation dtype (a second rounding).
 
     Returns:
         ``(query_rotated, key_rotated, key_cache_out, value_cache_out)``.
@@ -208,7 +214,7 @@ def fused_rope_with_qk_norm_and_kv_cache_update(
         return traced_call(query, key, value, position_ids, key_cache, value_cache,
                            cache_position, q_norm_weight, k_norm_weight, inv_freq, rms_norm_eps,
                            inplace=inplace, query_out=query_out, key_out=key_out,
-                           validate=validate)
+                           validate=validate, norm_rounding=norm_rounding)
     if validate or not inplace:  # both cost far more than the checks: check first
         check_inputs(query, key, value, position_ids, key_cache, value_cache, cache_position,
                      q_norm_weight, k_norm_weight, inv_freq, rms_norm_eps)
@@ -218,9 +224,12 @@ def fused_rope_with_qk_norm_and_kv_cache_update(
             key_cache, value_cache = key_cache.clone(), value_cache.clone()
     tensors = [query, key, value, position_ids, key_cache, value_cache, cache_position,
                q_norm_weight, k_norm_weight, inv_freq]
-    plan = _PLANS.get(_plan_key(tensors, query_out, key_out)) if _fast_path_ok() else None
+    hf_norm = norm_rounding == "hf"
+    if not hf_norm and norm_rounding != "weight_fp32":
+        raise ValueError(f"norm_rounding must be one of {NORM_ROUNDINGS}, got {norm_rounding!r}")
+    plan = _PLANS.get(_plan_key(tensors, query_out, key_out, hf_norm)) if _fast_path_ok() else None
     if plan is None or type(rms_norm_eps) is not float or not 0.0 <= rms_norm_eps < math.inf:
-        return _checked_call(tensors, rms_norm_eps, query_out, key_out)
+        return _checked_call(tensors, rms_norm_eps, query_out, key_out, hf_norm)
     if query_out is None:
         query_out = torch.empty(plan.q_out_shape, dtype=query.dtype, device=query.device)
     if key_out is None:
@@ -234,7 +243,7 @@ def fused_rope_with_qk_norm_and_kv_cache_update(
 # --------------------------------------------------------------------------------------------
 def _kernel_args(query, key, value, position_ids, key_cache, value_cache, cache_position,
                  q_norm_weight, k_norm_weight, inv_freq, rms_norm_eps, query_out, key_out,
-                 cfg: TileConfig) -> tuple[tuple[int, int, int], list, dict]:
+                 cfg: TileConfig, hf_norm: bool = False) -> tuple[tuple[int, int, int], list, dict]:
     """``(grid, positional args, constexpr kwargs)`` for one launch; the only place that maps
     tensors and strides onto the kernel's parameters."""
     B, Hq, S, D = query.shape
@@ -257,6 +266,7 @@ def _kernel_args(query, key, value, position_ids, key_cache, value_cache, cache_
     meta = dict(HALF=D // 2, BLOCK_HQ=cfg.block_hq, BLOCK_HKV=cfg.block_hkv,
                 BLOCK_S=cfg.block_s, INTERPRETER=interpret,
                 NATIVE_MATH=cfg.native_math and not interpret, EVICTION=cfg.eviction,
+                HF_NORM=hf_norm,
                 # The rounding points forbid contracting a product and a sum into one FMA.
                 enable_fp_fusion=False, num_warps=cfg.num_warps)
     return grid, args, meta
@@ -264,12 +274,12 @@ def _kernel_args(query, key, value, position_ids, key_cache, value_cache, cache_
 
 def launch(query, key, value, position_ids, key_cache, value_cache, cache_position,
            q_norm_weight, k_norm_weight, inv_freq, rms_norm_eps, query_out, key_out,
-           cfg: TileConfig):
+           cfg: TileConfig, hf_norm: bool = False):
     """Launch through Triton's normal path on already-checked arguments; returns what Triton's
     launch returns (the compiled kernel on a GPU)."""
     grid, args, meta = _kernel_args(query, key, value, position_ids, key_cache, value_cache,
                                     cache_position, q_norm_weight, k_norm_weight, inv_freq,
-                                    rms_norm_eps, query_out, key_out, cfg)
+                                    rms_norm_eps, query_out, key_out, cfg, hf_norm)
     return qknorm_rope_cache_kernel[grid](*args, **meta)
 
 
@@ -299,8 +309,8 @@ def _fast_path_ok() -> bool:
     return not interpreting() and triton.knobs.runtime.launch_enter_hook is None
 
 
-def _plan_key(tensors, query_out, key_out) -> tuple:
-    key = []
+def _plan_key(tensors, query_out, key_out, hf_norm: bool) -> tuple:
+    key = [hf_norm]
     for t in (*tensors, query_out, key_out):
         if t is None:
             key.append(None)
@@ -309,13 +319,13 @@ def _plan_key(tensors, query_out, key_out) -> tuple:
     return tuple(key)
 
 
-def _checked_call(tensors, rms_norm_eps, query_out, key_out):
+def _checked_call(tensors, rms_norm_eps, query_out, key_out, hf_norm: bool):
     """The full path: check every argument, allocate outputs, launch through Triton, and
     remember the compiled kernel for this signature."""
     (query, key, value, position_ids, key_cache, value_cache, cache_position,
      q_norm_weight, k_norm_weight, inv_freq) = tensors
     B, Hq, Hkv, S, D, L = check_inputs(*tensors, rms_norm_eps)
-    plan_key = _plan_key(tensors, query_out, key_out)
+    plan_key = _plan_key(tensors, query_out, key_out, hf_norm)
     if query_out is None:
         query_out = torch.empty_like(query, memory_format=torch.contiguous_format)
     else:
@@ -325,7 +335,7 @@ def _checked_call(tensors, rms_norm_eps, query_out, key_out):
     else:
         _check_out("key_out", key_out, key)
     cfg = pick_config(B, Hq, Hkv, S, D, interpreting())
-    grid, args, meta = _kernel_args(*tensors, rms_norm_eps, query_out, key_out, cfg)
+    grid, args, meta = _kernel_args(*tensors, rms_norm_eps, query_out, key_out, cfg, hf_norm)
     compiled = qknorm_rope_cache_kernel[grid](*args, **meta)
     if _fast_path_ok() and hasattr(compiled, "run") and len(_PLANS) < 4096:
         names = qknorm_rope_cache_kernel.arg_names

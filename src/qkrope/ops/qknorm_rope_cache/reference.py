@@ -18,14 +18,20 @@ __all__ = ["qknorm_rope_cache_ref", "rope_cos_sin_ref", "rms_norm_ref", "rotate_
            "qk_rotated_fp64"]
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 norm_rounding: str = "weight_fp32") -> torch.Tensor:
     """Per-row RMSNorm over the last dim. x: [..., D] bf16/fp16, weight: [D]; returns x.dtype.
 
-    The weight multiply happens in fp32 *before* the single rounding to ``x.dtype``.
+    ``"weight_fp32"``: the weight multiply happens in fp32 *before* the single rounding to
+    ``x.dtype``. ``"hf"``: HF's ``Qwen3RMSNorm``, rounding first, then the weight multiply in
+    ``x.dtype``.
     """
     xf = x.float()
     variance = xf.pow(2).mean(-1, keepdim=True)
-    return (weight.float() * (xf * torch.rsqrt(variance + eps))).to(x.dtype)
+    normed = xf * torch.rsqrt(variance + eps)
+    if norm_rounding == "hf":
+        return weight.to(x.dtype) * normed.to(x.dtype)
+    return (weight.float() * normed).to(x.dtype)
 
 
 def rope_cos_sin_ref(
@@ -66,6 +72,7 @@ def qknorm_rope_cache_ref(
     *,
     inplace: bool = True,
     skip_out_of_range: bool = True,
+    norm_rounding: str = "weight_fp32",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Reference QK-norm + RoPE + KV-cache write (same arguments as the fused op).
 
@@ -82,14 +89,17 @@ def qknorm_rope_cache_ref(
         skip_out_of_range: drop tokens whose cache row is outside [0, L), as the fused op does.
             False writes every row with one ``index_copy_`` (no host sync, ``torch.compile``
             friendly; an out-of-range row then raises inside ``index_copy_``).
+        norm_rounding: ``"weight_fp32"`` or ``"hf"``, see :func:`rms_norm_ref`.
 
     Returns:
         ``(query_rotated [B, Hq, S, D], key_rotated [B, Hkv, S, D], key_cache_out, value_cache_out)``.
     """
     B, _, S, _ = query.shape
     cos, sin = rope_cos_sin_ref(position_ids.expand(B, S), inv_freq, query.dtype)
-    q_rot = rotate_neox_ref(rms_norm_ref(query, q_norm_weight, rms_norm_eps), cos, sin)
-    k_rot = rotate_neox_ref(rms_norm_ref(key, k_norm_weight, rms_norm_eps), cos, sin)
+    q_rot = rotate_neox_ref(rms_norm_ref(query, q_norm_weight, rms_norm_eps, norm_rounding),
+                            cos, sin)
+    k_rot = rotate_neox_ref(rms_norm_ref(key, k_norm_weight, rms_norm_eps, norm_rounding),
+                            cos, sin)
 
     if not inplace:
         key_cache, value_cache = key_cache.clone(), value_cache.clone()

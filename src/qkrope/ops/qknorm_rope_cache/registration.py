@@ -34,24 +34,26 @@ def qknorm_rope_cache_op(
     rms_norm_eps: float,
     query_out: torch.Tensor,
     key_out: torch.Tensor,
+    norm_rounding: str = "weight_fp32",
 ) -> None:
     """Same tensors as the public op; writes ``query_out`` [B, Hq, S, D], ``key_out``
     [B, Hkv, S, D] and the cache rows in place."""
     fused_rope_with_qk_norm_and_kv_cache_update(
         query, key, value, position_ids, key_cache, value_cache, cache_position,
         q_norm_weight, k_norm_weight, inv_freq, rms_norm_eps,
-        query_out=query_out, key_out=key_out)
+        query_out=query_out, key_out=key_out, norm_rounding=norm_rounding)
 
 
 @qknorm_rope_cache_op.register_fake
 def _(query, key, value, position_ids, key_cache, value_cache, cache_position, q_norm_weight,
-      k_norm_weight, inv_freq, rms_norm_eps, query_out, key_out) -> None:
+      k_norm_weight, inv_freq, rms_norm_eps, query_out, key_out, norm_rounding="weight_fp32"
+      ) -> None:
     return None
 
 
 def traced_call(query, key, value, position_ids, key_cache, value_cache, cache_position,
                 q_norm_weight, k_norm_weight, inv_freq, rms_norm_eps, *, inplace, query_out,
-                key_out, validate):
+                key_out, validate, norm_rounding):
     """The public op's body while ``torch.compile`` traces it (same contract)."""
     check_inputs(query, key, value, position_ids, key_cache, value_cache, cache_position,
                  q_norm_weight, k_norm_weight, inv_freq, rms_norm_eps)
@@ -67,5 +69,5 @@ def traced_call(query, key, value, position_ids, key_cache, value_cache, cache_p
         key_out = torch.empty_like(key, memory_format=torch.contiguous_format)
     torch.ops.qkrope.qknorm_rope_cache(query, key, value, position_ids, key_cache, value_cache,
                                        cache_position, q_norm_weight, k_norm_weight, inv_freq,
-                                       float(rms_norm_eps), query_out, key_out)
+                                       float(rms_norm_eps), query_out, key_out, norm_rounding)
     return query_out, key_out, key_cache, value_cache
