@@ -1,0 +1,1 @@
+"""Framework integrations (imported on demand: ``import qkrope.integrations.transformers``)."""
