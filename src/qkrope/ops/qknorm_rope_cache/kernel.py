@@ -44,31 +44,30 @@ def _round(x, DT: tl.constexpr, INTERPRETER: tl.constexpr):
 @triton.jit
 def _rope_cos_sin(
     pos_ptr, inv_freq_ptr, b, s_idx, s_mask, stride_pos_b, stride_pos_s, stride_inv_freq,
-    OUT_DTYPE: tl.constexpr, HALF: tl.constexpr, INTERPRETER: tl.constexpr,
-    NATIVE_MATH: tl.constexpr,
+    OUT_DTYPE: tl.constexpr, HALF: tl.constexpr, INTERPRETER: tl.constexpr, TRIG: tl.constexpr,
 ):
-    """[BLOCK_S, HALF] cos/sin rounded to ``OUT_DTYPE`` (SPEC step 2): as ``OUT_DTYPE`` with
-    ``NATIVE_MATH``, else as fp32 holding the rounded values."""
+    """[BLOCK_S, HALF] cos/sin as fp32 holding values rounded to ``OUT_DTYPE`` (SPEC step 2)."""
     pos = tl.load(pos_ptr + b.to(tl.int64) * stride_pos_b + s_idx.to(tl.int64) * stride_pos_s,
                   mask=s_mask, other=0)
     inv = tl.load(inv_freq_ptr + tl.arange(0, HALF) * stride_inv_freq).to(tl.float32)
     angle = pos.to(tl.float32)[:, None] * inv[None, :]
-    if INTERPRETER:
+    if INTERPRETER or TRIG == 1:  # TRIG: experiment hook (0 = accurate; 1, 2 = cost probes)
         cos = tl.cos(angle)
         sin = tl.sin(angle)
+    elif TRIG == 2:
+        cos = angle * 0.0 + 1.0
+        sin = angle * 0.0
     else:
         # Angles reach 2**18 rad: the hardware sin/cos approximations are wrong there, the
         # libdevice versions do full range reduction (the same code torch's CUDA cos runs).
         cos = libdevice.cos(angle)
         sin = libdevice.sin(angle)
-    if NATIVE_MATH:
-        return cos.to(OUT_DTYPE), sin.to(OUT_DTYPE)
     return _round(cos, OUT_DTYPE, INTERPRETER), _round(sin, OUT_DTYPE, INTERPRETER)
 
 
 @triton.jit
 def _norm_rope(x_ptr, x_off, x_half_step, mask, w_ptr, stride_w, cos, sin, eps,
-               HALF: tl.constexpr, INTERPRETER: tl.constexpr, NATIVE_MATH: tl.constexpr,
+               HALF: tl.constexpr, INTERPRETER: tl.constexpr,
                EVICTION: tl.constexpr, HF_NORM: tl.constexpr):
     """RMSNorm + NeoX rotation of a [BLOCK_H, BLOCK_S, HALF]-halved tile; returns both halves.
 
@@ -93,17 +92,15 @@ def _norm_rope(x_ptr, x_off, x_half_step, mask, w_ptr, stride_w, cos, sin, eps,
     else:
         n1 = _round(w1 * (x1 * rstd), DT, INTERPRETER)
         n2 = _round(w2 * (x2 * rstd), DT, INTERPRETER)
-    if NATIVE_MATH:
-        # A product of two DT values is exact in fp32, and the sum of two DT values rounds to
-        # the same DT value directly or through fp32, so DT arithmetic here equals eager
-        # PyTorch's fp32-then-round ops. fp fusion is off at launch: an FMA would skip a rounding.
-        n1 = n1.to(DT)
-        n2 = n2.to(DT)
-        return n1 * cos - n2 * sin, n2 * cos + n1 * sin
+    # Each product of two DT values is exact in fp32, so round(fp32 product) is the DT product;
+    # LLVM emits these as native bf16/fp16 multiplies. fp fusion is off at launch: an FMA
+    # would skip the rounding of a product.
     o1 = _round(n1 * cos, DT, INTERPRETER) - _round(n2 * sin, DT, INTERPRETER)
     o2 = _round(n2 * cos, DT, INTERPRETER) + _round(n1 * sin, DT, INTERPRETER)
-    # The final cast is exact once _round has run, so the interpreter's truncating cast is safe.
-    return _round(o1, DT, INTERPRETER).to(DT), _round(o2, DT, INTERPRETER).to(DT)
+    # The final cast is exact once _round has run: the interpreter's truncating cast is safe.
+    o1 = _round(o1, DT, INTERPRETER).to(DT)
+    o2 = _round(o2, DT, INTERPRETER).to(DT)
+    return o1, o2
 
 
 @triton.jit
@@ -120,8 +117,8 @@ def qknorm_rope_cache_kernel(
     stride_vc_b, stride_vc_h, stride_vc_l, stride_vc_d,
     stride_pos_b, stride_pos_s, stride_cache_pos, stride_q_w, stride_k_w, stride_inv_freq,
     HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_S: tl.constexpr,
-    INTERPRETER: tl.constexpr, NATIVE_MATH: tl.constexpr, EVICTION: tl.constexpr,
-    HF_NORM: tl.constexpr,
+    INTERPRETER: tl.constexpr, EVICTION: tl.constexpr,
+    HF_NORM: tl.constexpr, TRIG: tl.constexpr = 0,
 ):
     """Grid: (cdiv(S, BLOCK_S), cdiv(Hq, BLOCK_HQ) + cdiv(Hkv, BLOCK_HKV), B).
 
@@ -136,8 +133,7 @@ def qknorm_rope_cache_kernel(
     s_idx = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
     s_mask = s_idx < S
     cos, sin = _rope_cos_sin(pos_ptr, inv_freq_ptr, b, s_idx, s_mask, stride_pos_b, stride_pos_s,
-                             stride_inv_freq, q_ptr.dtype.element_ty, HALF, INTERPRETER,
-                             NATIVE_MATH)
+                             stride_inv_freq, q_ptr.dtype.element_ty, HALF, INTERPRETER, TRIG)
     cos = cos[None, :, :]
     sin = sin[None, :, :]
 
@@ -151,7 +147,7 @@ def qknorm_rope_cache_kernel(
         q_mask = (hq < Hq) & (s3 < S)
         q_off = _offsets(b, hq, s3, d3, stride_q_b, stride_q_h, stride_q_s, stride_q_d)
         q1, q2 = _norm_rope(q_ptr, q_off, HALF * stride_q_d, q_mask, q_w_ptr, stride_q_w,
-                            cos, sin, eps, HALF, INTERPRETER, NATIVE_MATH, EVICTION, HF_NORM)
+                            cos, sin, eps, HALF, INTERPRETER, EVICTION, HF_NORM)
         qo_off = _offsets(b, hq, s3, d3, stride_qo_b, stride_qo_h, stride_qo_s, stride_qo_d)
         tl.store(q_out_ptr + qo_off, q1, mask=q_mask, eviction_policy=EVICTION)
         tl.store(q_out_ptr + qo_off + HALF * stride_qo_d, q2, mask=q_mask, eviction_policy=EVICTION)
@@ -160,7 +156,7 @@ def qknorm_rope_cache_kernel(
         k_mask = (hk < Hkv) & (s3 < S)
         k_off = _offsets(b, hk, s3, d3, stride_k_b, stride_k_h, stride_k_s, stride_k_d)
         k1, k2 = _norm_rope(k_ptr, k_off, HALF * stride_k_d, k_mask, k_w_ptr, stride_k_w,
-                            cos, sin, eps, HALF, INTERPRETER, NATIVE_MATH, EVICTION, HF_NORM)
+                            cos, sin, eps, HALF, INTERPRETER, EVICTION, HF_NORM)
         ko_off = _offsets(b, hk, s3, d3, stride_ko_b, stride_ko_h, stride_ko_s, stride_ko_d)
         tl.store(k_out_ptr + ko_off, k1, mask=k_mask, eviction_policy=EVICTION)
         tl.store(k_out_ptr + ko_off + HALF * stride_ko_d, k2, mask=k_mask, eviction_policy=EVICTION)

@@ -132,8 +132,8 @@ class TileConfig(NamedTuple):
     block_hkv: int   # key/value heads per program
     block_s: int     # tokens per program
     num_warps: int
-    native_math: bool = True  # rotation in the activation dtype (GPU only; see kernel.py)
     eviction: str = ""        # eviction policy of the streamed loads and stores
+    trig: int = 0             # experiment hook only: 0 is the one correct setting
 
 
 # Elements per tile: ~16 KiB of bf16 per tile keeps registers in bounds at head_dim 256.
@@ -265,7 +265,7 @@ def _kernel_args(query, key, value, position_ids, key_cache, value_cache, cache_
     interpret = interpreting()
     meta = dict(HALF=D // 2, BLOCK_HQ=cfg.block_hq, BLOCK_HKV=cfg.block_hkv,
                 BLOCK_S=cfg.block_s, INTERPRETER=interpret,
-                NATIVE_MATH=cfg.native_math and not interpret, EVICTION=cfg.eviction,
+                EVICTION=cfg.eviction, TRIG=cfg.trig,
                 HF_NORM=hf_norm,
                 # The rounding points forbid contracting a product and a sum into one FMA.
                 enable_fp_fusion=False, num_warps=cfg.num_warps)
