@@ -2,9 +2,9 @@
 
 Work split: a program owns a tile of heads x ``BLOCK_S`` tokens of one batch element. Programs
 with ``pid_h < cdiv(Hq, BLOCK_HQ)`` handle ``BLOCK_HQ`` query heads; the rest handle
-``BLOCK_HKV`` key/value heads and also write the new K and V rows into the caches. cos/sin are computed once per program for
-its ``BLOCK_S`` tokens and shared by all heads of the tile. Rows are processed as two halves of
-``D/2`` so the rotate-half pairs line up element by element in registers.
+``BLOCK_HKV`` key/value heads and also write the new K and V rows into the caches. cos/sin are
+computed once per program for its ``BLOCK_S`` tokens and shared by all heads of the tile. Rows
+are processed as two halves of ``D/2`` so the rotate-half pairs line up element by element.
 
 Interpreter (``TRITON_INTERPRET=1``) rules followed here: loads are upcast to fp32 at once and all
 arithmetic is fp32; every store is masked; libdevice is only reached behind the ``INTERPRETER``
@@ -66,19 +66,22 @@ def _rope_cos_sin(
 
 
 @triton.jit
-def _norm_rope(x_ptr, x_off, x_half_step, mask, w_ptr, stride_w, cos, sin, eps,
-               HALF: tl.constexpr, INTERPRETER: tl.constexpr,
-               EVICTION: tl.constexpr, HF_NORM: tl.constexpr):
-    """RMSNorm + NeoX rotation of a [BLOCK_H, BLOCK_S, HALF]-halved tile; returns both halves.
+def _load_halves(x_ptr, x_off, x_half_step, mask, EVICTION: tl.constexpr):
+    """Both halves of a [BLOCK_H, BLOCK_S, HALF]-halved tile of rows, upcast to fp32."""
+    x1 = tl.load(x_ptr + x_off, mask=mask, other=0.0, eviction_policy=EVICTION)
+    x2 = tl.load(x_ptr + x_off + x_half_step, mask=mask, other=0.0, eviction_policy=EVICTION)
+    return x1.to(tl.float32), x2.to(tl.float32)
+
+
+@triton.jit
+def _norm_rope(x1, x2, w_ptr, stride_w, cos, sin, eps, DT: tl.constexpr, HALF: tl.constexpr,
+               INTERPRETER: tl.constexpr, HF_NORM: tl.constexpr):
+    """RMSNorm + NeoX rotation of the two halves of a tile of rows; returns both halves in DT.
 
     Rounding points follow SPEC §1: one rounding after the fp32 weight multiply (or, with
     ``HF_NORM``, one before and one after a weight multiply in DT), one after each rotation
     product and one after each sum.
     """
-    DT = x_ptr.dtype.element_ty
-    x1 = tl.load(x_ptr + x_off, mask=mask, other=0.0, eviction_policy=EVICTION).to(tl.float32)
-    x2 = tl.load(x_ptr + x_off + x_half_step, mask=mask, other=0.0,
-                 eviction_policy=EVICTION).to(tl.float32)
     d = tl.arange(0, HALF)
     w1 = tl.load(w_ptr + d * stride_w).to(tl.float32)[None, None, :]
     w2 = tl.load(w_ptr + (d + HALF) * stride_w).to(tl.float32)[None, None, :]
@@ -132,22 +135,23 @@ def qknorm_rope_cache_kernel(
 
     s_idx = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
     s_mask = s_idx < S
-    cos, sin = _rope_cos_sin(pos_ptr, inv_freq_ptr, b, s_idx, s_mask, stride_pos_b, stride_pos_s,
-                             stride_inv_freq, q_ptr.dtype.element_ty, HALF, INTERPRETER, TRIG)
-    cos = cos[None, :, :]
-    sin = sin[None, :, :]
-
     s3 = s_idx[None, :, None]
     d3 = tl.arange(0, HALF)[None, None, :]
     n_q_blocks = tl.cdiv(Hq, BLOCK_HQ)
+    DT = q_ptr.dtype.element_ty
 
+    # In each branch every load is issued before the sin/cos work, so the row loads and the
+    # position loads share one DRAM round trip (decode is latency-bound).
     # Triton needs a value assigned in both branches to have one type, so names differ by branch.
     if pid_h < n_q_blocks:
         hq = pid_h * BLOCK_HQ + tl.arange(0, BLOCK_HQ)[:, None, None]
         q_mask = (hq < Hq) & (s3 < S)
         q_off = _offsets(b, hq, s3, d3, stride_q_b, stride_q_h, stride_q_s, stride_q_d)
-        q1, q2 = _norm_rope(q_ptr, q_off, HALF * stride_q_d, q_mask, q_w_ptr, stride_q_w,
-                            cos, sin, eps, HALF, INTERPRETER, EVICTION, HF_NORM)
+        q1, q2 = _load_halves(q_ptr, q_off, HALF * stride_q_d, q_mask, EVICTION)
+        cos, sin = _rope_cos_sin(pos_ptr, inv_freq_ptr, b, s_idx, s_mask, stride_pos_b,
+                                 stride_pos_s, stride_inv_freq, DT, HALF, INTERPRETER, TRIG)
+        q1, q2 = _norm_rope(q1, q2, q_w_ptr, stride_q_w, cos[None, :, :], sin[None, :, :], eps,
+                            DT, HALF, INTERPRETER, HF_NORM)
         qo_off = _offsets(b, hq, s3, d3, stride_qo_b, stride_qo_h, stride_qo_s, stride_qo_d)
         tl.store(q_out_ptr + qo_off, q1, mask=q_mask, eviction_policy=EVICTION)
         tl.store(q_out_ptr + qo_off + HALF * stride_qo_d, q2, mask=q_mask, eviction_policy=EVICTION)
@@ -155,23 +159,25 @@ def qknorm_rope_cache_kernel(
         hk = (pid_h - n_q_blocks) * BLOCK_HKV + tl.arange(0, BLOCK_HKV)[:, None, None]
         k_mask = (hk < Hkv) & (s3 < S)
         k_off = _offsets(b, hk, s3, d3, stride_k_b, stride_k_h, stride_k_s, stride_k_d)
-        k1, k2 = _norm_rope(k_ptr, k_off, HALF * stride_k_d, k_mask, k_w_ptr, stride_k_w,
-                            cos, sin, eps, HALF, INTERPRETER, EVICTION, HF_NORM)
+        k1, k2 = _load_halves(k_ptr, k_off, HALF * stride_k_d, k_mask, EVICTION)
+        d_full = tl.arange(0, 2 * HALF)[None, None, :]
+        v_off = _offsets(b, hk, s3, d_full, stride_v_b, stride_v_h, stride_v_s, stride_v_d)
+        v = tl.load(v_ptr + v_off, mask=k_mask, other=0.0, eviction_policy=EVICTION)
+        # Cache rows outside [0, L) (e.g. -1 padding) are skipped, never written out of bounds.
+        row = tl.load(cache_pos_ptr + s_idx.to(tl.int64) * stride_cache_pos, mask=s_mask, other=-1)
+        cos, sin = _rope_cos_sin(pos_ptr, inv_freq_ptr, b, s_idx, s_mask, stride_pos_b,
+                                 stride_pos_s, stride_inv_freq, DT, HALF, INTERPRETER, TRIG)
+        k1, k2 = _norm_rope(k1, k2, k_w_ptr, stride_k_w, cos[None, :, :], sin[None, :, :], eps,
+                            DT, HALF, INTERPRETER, HF_NORM)
         ko_off = _offsets(b, hk, s3, d3, stride_ko_b, stride_ko_h, stride_ko_s, stride_ko_d)
         tl.store(k_out_ptr + ko_off, k1, mask=k_mask, eviction_policy=EVICTION)
         tl.store(k_out_ptr + ko_off + HALF * stride_ko_d, k2, mask=k_mask, eviction_policy=EVICTION)
 
-        # Cache rows outside [0, L) (e.g. -1 padding) are skipped, never written out of bounds.
-        row = tl.load(cache_pos_ptr + s_idx.to(tl.int64) * stride_cache_pos, mask=s_mask, other=-1)
         row3 = row[None, :, None]
         row_mask = k_mask & (row3 >= 0) & (row3 < L)
         kc_off = _offsets(b, hk, row3, d3, stride_kc_b, stride_kc_h, stride_kc_l, stride_kc_d)
         tl.store(k_cache_ptr + kc_off, k1, mask=row_mask, eviction_policy=EVICTION)
         tl.store(k_cache_ptr + kc_off + HALF * stride_kc_d, k2, mask=row_mask,
                  eviction_policy=EVICTION)
-
-        d_full = tl.arange(0, 2 * HALF)[None, None, :]
-        v_off = _offsets(b, hk, s3, d_full, stride_v_b, stride_v_h, stride_v_s, stride_v_d)
-        v = tl.load(v_ptr + v_off, mask=k_mask, other=0.0, eviction_policy=EVICTION)
         vc_off = _offsets(b, hk, row3, d_full, stride_vc_b, stride_vc_h, stride_vc_l, stride_vc_d)
         tl.store(v_cache_ptr + vc_off, v, mask=row_mask, eviction_policy=EVICTION)

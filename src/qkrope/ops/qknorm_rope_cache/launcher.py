@@ -136,8 +136,10 @@ class TileConfig(NamedTuple):
     trig: int = 0             # experiment hook only: 0 is the one correct setting
 
 
-# Elements per tile: ~16 KiB of bf16 per tile keeps registers in bounds at head_dim 256.
-_TILE_ELEMS = 8192
+# Measured on the H200 (docs/perf-notes.md, run 3): small tiles of one token and few warps win
+# at every size, because many small programs keep more loads in flight per SM than a few large
+# ones; decode-sized problems want even smaller head groups to spread over more SMs.
+_SMALL_PROBLEM_PROGRAMS = 1024
 
 
 @functools.lru_cache(maxsize=1024)
@@ -147,11 +149,11 @@ def pick_config(B: int, Hq: int, Hkv: int, S: int, D: int, interpret: bool) -> T
         # ~5 ms per program instance in the interpreter: few programs, whole head groups.
         block_s = min(triton.next_power_of_2(S), 32)
         return TileConfig(triton.next_power_of_2(Hq), triton.next_power_of_2(Hkv), block_s, 4)
-    block_s = min(triton.next_power_of_2(S), 16)
-    block_hq = max(1, min(triton.next_power_of_2(Hq), _TILE_ELEMS // (block_s * D)))
-    block_hkv = max(1, min(triton.next_power_of_2(Hkv), _TILE_ELEMS // (block_s * D)))
-    num_warps = 4 if block_hq * block_s * D >= 4096 else 2
-    return TileConfig(block_hq, block_hkv, block_s, num_warps)
+    block_hq = min(triton.next_power_of_2(Hq), max(1, 2048 // D))
+    block_hkv = min(triton.next_power_of_2(Hkv), max(1, 1024 // D))
+    if B * S * triton.cdiv(Hq, block_hq) < _SMALL_PROBLEM_PROGRAMS:
+        return TileConfig(min(2, block_hq), min(2, block_hkv), 1, 1)
+    return TileConfig(block_hq, block_hkv, 1, 2)
 
 
 # --------------------------------------------------------------------------------------------
