@@ -136,12 +136,9 @@ class TileConfig(NamedTuple):
     trig: int = 0             # experiment hook only: 0 is the one correct setting
 
 
-# Measured on the H200 (docs/perf-notes.md, run 3): small tiles of one token and few warps win
-# at every size, because many small programs keep more loads in flight per SM than a few large
-# ones; decode-sized problems want even smaller head groups to spread over more SMs.
-_SMALL_PROBLEM_PROGRAMS = 1024
-
-
+# Measured on the H200 (docs/perf-notes.md, runs 3-4): tiles of one token and few warps win at
+# every size (many small programs keep more loads in flight per SM than a few large ones), and
+# problems too small to fill the SMs want one head per program.
 @functools.lru_cache(maxsize=1024)
 def pick_config(B: int, Hq: int, Hkv: int, S: int, D: int, interpret: bool) -> TileConfig:
     """Tile shape for a problem; cached per shape so the hot path does no search."""
@@ -151,9 +148,15 @@ def pick_config(B: int, Hq: int, Hkv: int, S: int, D: int, interpret: bool) -> T
         return TileConfig(triton.next_power_of_2(Hq), triton.next_power_of_2(Hkv), block_s, 4)
     block_hq = min(triton.next_power_of_2(Hq), max(1, 2048 // D))
     block_hkv = min(triton.next_power_of_2(Hkv), max(1, 1024 // D))
-    if B * S * triton.cdiv(Hq, block_hq) < _SMALL_PROBLEM_PROGRAMS:
-        return TileConfig(min(2, block_hq), min(2, block_hkv), 1, 1)
+    if B * S * (triton.cdiv(Hq, block_hq) + triton.cdiv(Hkv, block_hkv)) < _num_sms():
+        # Fewer programs than SMs: one head per program spreads a decode step over the chip.
+        return TileConfig(1, 1, 1, 1)
     return TileConfig(block_hq, block_hkv, 1, 2)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms() -> int:
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
 
 # --------------------------------------------------------------------------------------------
@@ -299,16 +302,24 @@ class _Plan(NamedTuple):
 
     def launch(self, tensors, query_out, key_out, eps: float) -> None:
         k = self.kernel
-        k.run(*self.grid, torch.cuda.current_stream(self.device_index).cuda_stream, k.function,
-              k.packed_metadata, None, None, None, *tensors, query_out, key_out, eps, *self.tail)
+        k.run(*self.grid, _raw_stream(self.device_index), k.function, k.packed_metadata, None,
+              None, None, *tensors, query_out, key_out, eps, *self.tail)
+
+
+# The raw handle of the current stream, as Triton's own launcher gets it (a tenth of the cost of
+# building a torch.cuda.Stream object per call); the public route where it is missing.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream",
+                      lambda index: torch.cuda.current_stream(index).cuda_stream)
 
 
 _PLANS: dict[tuple, _Plan] = {}
 
 
 def _fast_path_ok() -> bool:
-    # Launch hooks (e.g. Triton's profiler) only run on Triton's normal path.
-    return not interpreting() and triton.knobs.runtime.launch_enter_hook is None
+    # Launch hooks (e.g. Triton's profiler) only run on Triton's normal path. Triton 3.6 keeps
+    # an (empty) HookChain there rather than None.
+    hook = triton.knobs.runtime.launch_enter_hook
+    return not interpreting() and (hook is None or not getattr(hook, "calls", True))
 
 
 def _plan_key(tensors, query_out, key_out, hf_norm: bool) -> tuple:
