@@ -61,7 +61,8 @@ def fake_report(timed=True):
                                  bytes_moved(w), 1.0 if timed else None, impls))
     return BenchReport("qwen3-coder-480b", {"num_q_heads": 96, "num_kv_heads": 8,
                                             "head_dim": 128}, timed, 4.25e12 if timed else None,
-                       ["qkrope", "eager"], {"liger": "liger-kernel is not installed"}, ws,
+                       ["qkrope", "eager"], {"liger": "liger-kernel is not installed"},
+                       10.0 if timed else None, ws,
                        {"gpu": "FakeGPU", "torch": "x", "triton": "y", "qkrope": "z"},
                        {"iters": 50})
 
@@ -73,6 +74,7 @@ def test_render_markdown_table_and_geomean():
     assert "| 1 | 1 | 0 | 1 | 1 | 1.00 | 2.00 | 1.80–2.20 | 50% |" in text
     assert "100.0×" in text and "skipped liger: liger-kernel is not installed" in text
     assert f"qkrope {rep.geomean('qkrope'):.2f}" in text
+    assert "`x.add_(1)` takes 10.0 µs" in text
 
 
 def test_json_and_plot(tmp_path):

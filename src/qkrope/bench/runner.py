@@ -64,6 +64,7 @@ class BenchReport:
     copy_bandwidth: float | None               # bytes/s, read + write, same run
     impls: list[str]
     skipped: dict[str, str]
+    add_host_us: float | None                  # torch x.add_(1) host µs per call, same run
     workloads: list[WorkloadResult]
     environment: dict
     settings: dict
@@ -163,13 +164,15 @@ def run_benchmark(
     skipped.update(unavailable)
     tick = progress or (lambda msg: None)
 
-    bandwidth = flush = None
+    bandwidth = flush = add_host = None
     if timed:
-        from .timing import L2Flusher, copy_bandwidth
+        from .timing import L2Flusher, copy_bandwidth, host_time_per_call_us
 
-        tick("measuring copy bandwidth")
+        tick("measuring copy bandwidth and torch's host time per call")
         bandwidth = copy_bandwidth()
         flush = L2Flusher()
+        x = torch.zeros(16, device="cuda")
+        add_host = host_time_per_call_us(lambda: x.add_(1), host_calls)
 
     gen = torch.Generator(device=device).manual_seed(seed)
     results = []
@@ -199,7 +202,8 @@ def run_benchmark(
 
     return BenchReport(
         model=geometry.name, geometry=asdict(geometry), timed=timed, copy_bandwidth=bandwidth,
-        impls=list(available), skipped=skipped, workloads=results, environment=environment(),
+        impls=list(available), skipped=skipped, add_host_us=add_host, workloads=results,
+        environment=environment(),
         settings=dict(iters=iters, warmup=warmup, host_calls=host_calls, graphs=graphs,
                       benchmark_inputs=benchmark_inputs, cache_capacity=cache_capacity,
                       seed=seed),
@@ -288,8 +292,9 @@ def render_markdown(report: BenchReport, main: str = "qkrope") -> str:
         lines.append("Geometric mean µs: " + ", ".join(
             [f"floor {_f(fg)}"] + [f"{n} {_f(gm[n])}" for n in report.impls]))
         lines.append("")
-        lines.append("Host µs per eager call (wall clock, back-to-back) and µs per call inside a "
-                     "replayed CUDA graph (20 calls per graph, L2 warm):")
+        lines.append("Host µs per eager call (wall clock, back-to-back calls; for reference, "
+                     f"torch's `x.add_(1)` takes {_f(report.add_host_us, '{:.1f}')} µs here) and "
+                     "µs per call inside a replayed CUDA graph (20 calls per graph, L2 warm):")
         lines.append("")
         head2 = ["#", "tokens"] + [f"{n} host" for n in report.impls] + [
             f"{n} graph" for n in report.impls]
