@@ -98,7 +98,6 @@ def test_cuda_graph_decode_loop_matches_eager():
     pos = torch.zeros(B, 1, dtype=torch.int64, device="cuda")
     row = torch.zeros(1, dtype=torch.int64, device="cuda")
     kc, vc = rnd(B, Hkv, L, D), rnd(B, Hkv, L, D)
-    kc_eager, vc_eager, kc0 = kc.clone(), vc.clone(), kc.clone()
     qw, kw = 1 + 0.5 * rnd(D), 1 + 0.5 * rnd(D)
     inv = qkrope.suite.rope_inv_freq(D, 1e7, "cuda")
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
@@ -111,6 +110,7 @@ def test_cuda_graph_decode_loop_matches_eager():
     with torch.cuda.stream(s):
         step()  # warm-up compiles and caches the launch plan outside capture
     torch.cuda.current_stream().wait_stream(s)
+    kc_eager, vc_eager, kc0 = kc.clone(), vc.clone(), kc.clone()  # after the warm-up's write
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
