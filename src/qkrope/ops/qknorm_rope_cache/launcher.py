@@ -192,8 +192,9 @@ def fused_rope_with_qk_norm_and_kv_cache_update(
         key_cache, value_cache: [B, Hkv, L, D], dtype of ``query``, identical shapes.
         cache_position: [S] int32/int64, the cache row each token's K/V goes to (same for every
             batch element). Rows outside ``[0, L)`` are skipped: -1 is the usual padding marker.
-            If two tokens name the same row, the row ends up holding one of them, unspecified
-            which (as with ``index_copy_`` on CUDA).
+            If two tokens name the same row, each element of that row ends up holding the value
+            of one of them, unspecified which (tokens may mix within the row, as with
+            ``index_copy_`` on CUDA); every other row is untouched.
         q_norm_weight, k_norm_weight: [D], dtype of ``query``.
         inv_freq: [D/2] float32 rotary inverse frequencies.
         rms_norm_eps: RMSNorm epsilon (Python float).
@@ -322,13 +323,18 @@ def _fast_path_ok() -> bool:
     return not interpreting() and (hook is None or not getattr(hook, "calls", True))
 
 
-def _plan_key(tensors, query_out, key_out, hf_norm: bool) -> tuple:
+def _plan_key(tensors, query_out, key_out, hf_norm: bool) -> tuple | None:
+    """Everything the checks and Triton's specialization depend on; None for a non-tensor
+    argument (the checked path then raises the proper error)."""
     key = [hf_norm]
-    for t in (*tensors, query_out, key_out):
-        if t is None:
-            key.append(None)
-        else:
-            key += (t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() % 16 == 0)
+    try:
+        for t in (*tensors, query_out, key_out):
+            if t is None:
+                key.append(None)
+            else:
+                key += (t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() % 16 == 0)
+    except AttributeError:
+        return None
     return tuple(key)
 
 
