@@ -63,7 +63,7 @@ def fake_report(timed=True):
                                             "head_dim": 128}, timed, 4.25e12 if timed else None,
                        ["qkrope", "eager"], {"liger": "liger-kernel is not installed"},
                        10.0 if timed else None, ws,
-                       {"gpu": "FakeGPU", "torch": "x", "triton": "y", "qkrope": "z"},
+                       {"gpu": "NVIDIA H200", "torch": "x", "triton": "y", "qkrope": "z"},
                        {"iters": 50})
 
 
@@ -71,7 +71,7 @@ def test_render_markdown_table_and_geomean():
     rep = fake_report()
     text = render_markdown(rep)
     assert math.isclose(rep.geomean("qkrope"), (2 * 3 * 6) ** (1 / 3))
-    assert "| 1 | 1 | 0 | 1 | 1 | 1.00 | 2.00 | 1.80–2.20 | 50% |" in text
+    assert "| 1 | 1 | 0 | 1 | 1 | 1.00 | 2.00 | 1.80–2.20 | 50% | 1% |" in text
     assert "100.0×" in text and "skipped liger: liger-kernel is not installed" in text
     assert f"qkrope {rep.geomean('qkrope'):.2f}" in text
     assert "`x.add_(1)` takes 10.0 µs" in text

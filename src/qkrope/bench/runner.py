@@ -27,7 +27,12 @@ from .impls import resolve_impls
 __all__ = ["ImplResult", "WorkloadResult", "BenchReport", "run_benchmark", "render_markdown",
            "write_json", "write_plot", "sweep_workloads", "environment"]
 
-H200_SPEC_BANDWIDTH = 4.8e12  # bytes/s, vendor datasheet (used only for the "% of spec" column)
+# Vendor datasheet HBM bandwidth (bytes/s) by GPU name, for the "% spec BW" column.
+SPEC_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "B200": 8.0e12}
+
+
+def spec_bandwidth(gpu_name: str | None) -> float | None:
+    return next((bw for key, bw in SPEC_BANDWIDTH.items() if gpu_name and key in gpu_name), None)
 
 
 @dataclass
@@ -258,6 +263,7 @@ def render_markdown(report: BenchReport, main: str = "qkrope") -> str:
                      f"floor = SPEC §4 bytes / that. Times: GPU µs per call (CUPTI, L2 flushed, "
                      f"median of {report.settings['iters']}).")
         lines.append("")
+        spec_bw = spec_bandwidth(env.get("gpu"))
         head = ["#", "S", "C", "B", "tokens", "floor µs", f"{main} µs", "p20–p80",
                 "% copy BW", "% spec BW"]
         for o in others:
@@ -274,7 +280,7 @@ def render_markdown(report: BenchReport, main: str = "qkrope") -> str:
             if m and m.median_us:
                 row += [_f(m.median_us), f"{m.p20_us:.2f}–{m.p80_us:.2f}",
                         _f(100 * w.floor_us / m.median_us, "{:.0f}%"),
-                        _f(100 * w.bytes / (m.median_us * 1e-6) / H200_SPEC_BANDWIDTH, "{:.0f}%")]
+                        _f(spec_bw and 100 * w.bytes / (m.median_us * 1e-6) / spec_bw, "{:.0f}%")]
             else:
                 row += ["—"] * 4
             for o in others:
