@@ -10,6 +10,12 @@ from .ops.qknorm_rope_cache import (
     fused_rope_with_qk_norm_and_kv_cache_update,
     qknorm_rope_cache_ref,
 )
+from .ops.qknorm_rope_paged import (
+    fused_qk_norm_rope_paged,
+    fused_qkv_norm_rope_paged,
+    qknorm_rope_paged_ref,
+    split_packed_qkv,
+)
 
 reference = qknorm_rope_cache_ref
 #: The benchmark's calling convention: ``run(query, key, value, ..., rms_norm_eps)``.
@@ -22,4 +28,9 @@ try:
 except Exception:  # pragma: no cover - source tree without installed metadata
     __version__ = "0+unknown"
 
-__all__ = ["fused_rope_with_qk_norm_and_kv_cache_update", "reference", "run", "__version__"]
+#: Oracle of the token-major / paged op.
+reference_paged = qknorm_rope_paged_ref
+
+__all__ = ["fused_rope_with_qk_norm_and_kv_cache_update", "fused_qk_norm_rope_paged",
+           "fused_qkv_norm_rope_paged", "reference", "reference_paged", "run",
+           "split_packed_qkv", "__version__"]
