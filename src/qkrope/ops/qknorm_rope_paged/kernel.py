@@ -85,16 +85,30 @@ def _norm_rotate(x_ptr, row_off, stride_d, mask, w_ptr, stride_w, pos, inv_freq_
 
 
 @triton.jit
-def _store_cache(cache_ptr, off, vals, mask, scale_ptr, h, SCALED: tl.constexpr,
-                 PER_HEAD_SCALE: tl.constexpr):
+def _round_e4m3(v):
+    """Round fp32 to the float8_e4m3fn grid (nearest even) in fp32 arithmetic, for the
+    interpreter, whose fp32->fp8 cast truncates: 3 mantissa bits for normals, steps of 2**-9
+    below 2**-6 (the adds round at that step; fp fusion is off)."""
+    bits = v.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000
+    normal = bits.to(tl.float32, bitcast=True)
+    subnormal = (v + 24576.0) - 24576.0
+    return tl.where(tl.abs(v) < 0.015625, subnormal, normal)
+
+
+@triton.jit
+def _store_cache(cache_ptr, off, vals, mask, scale_ptr, h, Hkv, SCALED: tl.constexpr,
+                 PER_HEAD_SCALE: tl.constexpr, INTERPRETER: tl.constexpr):
     """Store rows into a cache; FP8 caches get saturate(x / scale) (vLLM's convention)."""
     if SCALED:
-        if PER_HEAD_SCALE:
-            scale = tl.load(scale_ptr + h).to(tl.float32)
+        if PER_HEAD_SCALE:  # heads past Hkv in the tile are masked: never read past the scales
+            scale = tl.load(scale_ptr + h, mask=h < Hkv, other=1.0).to(tl.float32)
         else:
             scale = tl.load(scale_ptr).to(tl.float32)
         v = vals.to(tl.float32) / scale
         v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+        if INTERPRETER:
+            v = _round_e4m3(v)
         tl.store(cache_ptr + off, v.to(cache_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(cache_ptr + off, vals, mask=mask)
@@ -162,5 +176,7 @@ def qknorm_rope_paged_kernel(
                   + d * stride_kc_d)
         vc_off = (blk * stride_vc_blk + off * stride_vc_off + hk.to(tl.int64) * stride_vc_h
                   + d * stride_vc_d)
-        _store_cache(k_cache_ptr, kc_off, k, slot_mask, k_scale_ptr, hk, K_SCALED, PER_HEAD_SCALE)
-        _store_cache(v_cache_ptr, vc_off, v, slot_mask, v_scale_ptr, hk, V_SCALED, PER_HEAD_SCALE)
+        _store_cache(k_cache_ptr, kc_off, k, slot_mask, k_scale_ptr, hk, Hkv, K_SCALED,
+                     PER_HEAD_SCALE, INTERPRETER)
+        _store_cache(v_cache_ptr, vc_off, v, slot_mask, v_scale_ptr, hk, Hkv, V_SCALED,
+                     PER_HEAD_SCALE, INTERPRETER)

@@ -1,0 +1,239 @@
+"""Token-major op with paged caches against its reference: every layout and variant, poisoned
+outputs, caches checked slot by slot (written rows exact, untouched rows bit-identical)."""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from helpers import DEVICE
+
+import qkrope
+from qkrope.ops.qknorm_rope_cache.reference import rms_norm_ref
+from qkrope.suite import rope_inv_freq
+
+
+@dataclass
+class PCase:
+    T: int = 11
+    Hq: int = 4
+    Hkv: int = 2
+    D: int = 64
+    num_blocks: int = 4
+    block_size: int = 8
+    layout: str = "NHD"
+    style: str = "neox"
+    rotary_dim: int | None = None
+    dtype: torch.dtype = torch.bfloat16
+    cache_dtype: torch.dtype | None = None   # float8_e4m3fn for FP8 caches
+    per_head_scale: bool = False
+    packed: bool = False                      # q/k/v as views of one [T, (Hq+2Hkv) D] tensor
+    shared_kv: bool = False                   # K and V caches as views of one allocation
+    offset: float = 0.0
+    norm_rounding: str = "weight_fp32"
+    index_dtype: torch.dtype = torch.int64
+    seed: int = 0
+
+
+def make(c: PCase):
+    g = torch.Generator(device=DEVICE).manual_seed(c.seed)
+
+    def rnd(*s, dtype=c.dtype):
+        return torch.randn(*s, generator=g, device=DEVICE, dtype=dtype)
+
+    if c.packed:
+        qkv = rnd(c.T, (c.Hq + 2 * c.Hkv) * c.D)
+        q, k, v = qkrope.split_packed_qkv(qkv, c.Hq, c.Hkv, c.D)
+    else:
+        q, k, v = rnd(c.T, c.Hq, c.D), rnd(c.T, c.Hkv, c.D), rnd(c.T, c.Hkv, c.D)
+    shape = ((c.num_blocks, c.block_size, c.Hkv, c.D) if c.layout == "NHD"
+             else (c.num_blocks, c.Hkv, c.block_size, c.D))
+    cdt = c.cache_dtype or c.dtype
+    if c.shared_kv:
+        kv = rnd(c.num_blocks, 2, *shape[1:]).to(cdt)
+        kc, vc = kv[:, 0], kv[:, 1]
+    else:
+        kc, vc = rnd(*shape).to(cdt), rnd(*shape).to(cdt)
+    n_slots = c.num_blocks * c.block_size
+    # Distinct slots, the very last one of the cache among them (second token), plus a padding
+    # slot and one past the cache, both skipped.
+    perm = torch.randperm(n_slots - 1, generator=torch.Generator().manual_seed(c.seed))
+    slots = torch.cat((perm[: c.T - 2], torch.tensor([n_slots - 1])))
+    slots = torch.cat((torch.tensor([-1]), slots[-1:], slots[:-1]))[: c.T - 1]
+    slots = torch.cat((slots, torch.tensor([n_slots + 3])))
+    positions = torch.randint(0, 2**18, (c.T,), generator=torch.Generator().manual_seed(c.seed))
+    rot = c.rotary_dim or c.D
+    qw, kw = 1 + 0.5 * rnd(c.D), 1 + 0.5 * rnd(c.D)
+    inv = rope_inv_freq(rot, 1e6, DEVICE)
+    kwargs = dict(cache_layout=c.layout, rotary_style=c.style, rotary_dim=c.rotary_dim,
+                  norm_weight_offset=c.offset, norm_rounding=c.norm_rounding)
+    if c.cache_dtype is not None:
+        if c.per_head_scale:
+            kwargs.update(k_scale=0.02 + 0.01 * torch.arange(c.Hkv, device=DEVICE),
+                          v_scale=0.01 + 0.005 * torch.arange(c.Hkv, device=DEVICE))
+        else:
+            kwargs.update(k_scale=0.025, v_scale=0.0125)
+    args = (q, k, v, positions.to(DEVICE, c.index_dtype), kc, vc, slots.to(DEVICE, c.index_dtype),
+            qw, kw, inv, 1e-6)
+    return args, kwargs
+
+
+def partner_index(D, rot, style):
+    d = torch.arange(D)
+    if style == "gptj":
+        p = d ^ 1
+    else:
+        p = torch.where(d < rot // 2, d + rot // 2, d - rot // 2)
+    return torch.where(d < rot, p, d)
+
+
+def check(c: PCase):
+    args, kwargs = make(c)
+    q, k, v, pos, kc, vc, slots, qw, kw, inv, eps = args
+    kc0, vc0 = kc.clone(), vc.clone()
+    q_out = torch.full_like(q, float("nan"), memory_format=torch.contiguous_format)
+    k_out = torch.full_like(k, float("nan"), memory_format=torch.contiguous_format)
+    q_rot, k_rot = qkrope.fused_qk_norm_rope_paged(*args, **kwargs, query_out=q_out, key_out=k_out)
+    assert q_rot is q_out and k_rot is k_out
+    kc_ref, vc_ref = kc0.clone(), vc0.clone()
+    rq, rk = qkrope.reference_paged(q, k, v, pos, kc_ref, vc_ref, slots, qw, kw, inv, eps,
+                                    **kwargs)
+
+    # Fused and reference share the rounding points; fp32 details (sum order, rsqrt/sin/cos
+    # ulps) may flip a rounding of a normalised value: a flip moves a product by <= 2u of it plus
+    # one rounding, and the sum by one more, so 4u (|n| + |n_partner|) bounds every element.
+    u = torch.finfo(c.dtype).eps / 2
+    p = partner_index(c.D, c.rotary_dim or c.D, c.style).to(DEVICE)
+    for name, out, ref, x, w in (("query", q_rot, rq, q, qw), ("key", k_rot, rk, k, kw)):
+        assert not torch.isnan(out).any(), f"{name}_rotated has unwritten elements"
+        wf = w.float() + c.offset if c.offset else w
+        n = rms_norm_ref(x, wf, eps, c.norm_rounding).float().abs()
+        bound = 4 * u * (n + n[..., p])
+        assert ((out.float() - ref.float()).abs() <= bound).all(), f"{name}: beyond bound"
+        assert (out == ref).float().mean() >= 0.99, f"{name}: < 99% bit-identical"
+
+    # Caches: compare against the reference's caches, which hold the reference's rows; where
+    # the fused K row differs by a flipped rounding, compare against the fused row instead.
+    n_slots = c.num_blocks * c.block_size
+    valid = (slots >= 0) & (slots < n_slots)
+    bs = c.block_size
+    blk, off = slots[valid].long() // bs, slots[valid].long() % bs
+    rows = (lambda cache: cache[blk, off]) if c.layout == "NHD" else (
+        lambda cache: cache[blk, :, off])
+    if c.cache_dtype is None:
+        assert torch.equal(rows(kc), k_rot[valid]), "key cache rows != key_rotated"
+        assert torch.equal(rows(vc), v[valid]), "value cache rows != value"
+    else:
+        # FP8: dequantise; stored values are saturate(x / scale) rounded to e4m3 (3 bits).
+        ks, vs = kwargs["k_scale"], kwargs["v_scale"]
+        for cache, ref_cache, src, scale in ((kc, kc_ref, k_rot, ks), (vc, vc_ref, v, vs)):
+            scale = torch.as_tensor(scale, device=DEVICE, dtype=torch.float32).reshape(-1, 1)
+            deq = rows(cache).float() * scale
+            exact = (src[valid].float() / scale).clamp(-448, 448) * scale
+            assert ((deq - exact).abs() <= 2**-4 * exact.abs() + 2**-9 * scale).all()
+            same = (rows(cache).view(torch.uint8) == rows(ref_cache).view(torch.uint8))
+            assert same.float().mean() >= 0.99
+    untouched = torch.ones(n_slots, dtype=torch.bool, device=DEVICE)
+    untouched[slots[valid].long()] = False
+    ub, uo = untouched.nonzero()[:, 0] // bs, untouched.nonzero()[:, 0] % bs
+    urows = (lambda cache: cache[ub, uo]) if c.layout == "NHD" else (
+        lambda cache: cache[ub, :, uo])
+    for cache, before in ((kc, kc0), (vc, vc0)):
+        assert torch.equal(urows(cache).view(torch.uint8), urows(before).view(torch.uint8))
+
+
+CASES = {
+    "nhd_neox": PCase(),
+    "hnd_neox": PCase(layout="HND"),
+    "nhd_gptj": PCase(style="gptj"),
+    "hnd_gptj_partial": PCase(layout="HND", style="gptj", rotary_dim=48),
+    "neox_partial": PCase(rotary_dim=32, D=128, Hq=8, Hkv=2),
+    "packed_qkv_shared_kv_cache": PCase(packed=True, shared_kv=True, layout="HND"),
+    "fp16_int32": PCase(dtype=torch.float16, index_dtype=torch.int32),
+    "gemma_offset": PCase(offset=1.0),
+    "hf_rounding": PCase(norm_rounding="hf", style="gptj"),
+    "head_dim_512": PCase(D=512, Hq=2, Hkv=1, T=5, num_blocks=2, block_size=4),
+    "head_dim_256_gqa4": PCase(D=256, Hq=8, Hkv=2, T=7),
+    "fp8_per_tensor": PCase(cache_dtype=torch.float8_e4m3fn),
+    "fp8_per_head_hnd": PCase(cache_dtype=torch.float8_e4m3fn, per_head_scale=True,
+                              layout="HND"),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_paged_matches_reference(name):
+    check(CASES[name])
+
+
+def test_per_sequence_contiguous_cache_is_hnd_with_block_size_L():
+    # A decode batch whose sequences sit at different positions, written into a contiguous
+    # [B, Hkv, L, D] cache: HND with block_size L and slot b * L + row.
+    B, Hq, Hkv, D, L = 3, 4, 2, 64, 16
+    g = torch.Generator(device=DEVICE).manual_seed(1)
+    q, k, v = (torch.randn(B, H, D, generator=g, device=DEVICE, dtype=torch.bfloat16)
+               for H in (Hq, Hkv, Hkv))
+    rows = torch.tensor([3, 15, 7], device=DEVICE)
+    kc = torch.randn(B, Hkv, L, D, generator=g, device=DEVICE, dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    qw = torch.ones(D, device=DEVICE, dtype=torch.bfloat16)
+    inv = rope_inv_freq(D, 1e6, DEVICE)
+    slots = torch.arange(B, device=DEVICE) * L + rows
+    _, k_rot = qkrope.fused_qk_norm_rope_paged(q, k, v, rows, kc, vc, slots, qw, qw, inv, 1e-6,
+                                               cache_layout="HND")
+    for b in range(B):
+        assert torch.equal(kc[b, :, rows[b]], k_rot[b]) and torch.equal(vc[b, :, rows[b]], v[b])
+
+
+def bad(**changes):
+    args, kwargs = make(PCase())
+    names = ["query", "key", "value", "positions", "key_cache", "value_cache", "slot_mapping",
+             "q_norm_weight", "k_norm_weight", "inv_freq", "rms_norm_eps"]
+    a = dict(zip(names, args))
+    for n, f in changes.items():
+        if n in a:
+            a[n] = f(a[n]) if callable(f) else f
+        else:
+            kwargs[n] = f
+    return [a[n] for n in names], kwargs
+
+
+@pytest.mark.parametrize("change, exc, words", [
+    (dict(rotary_dim=33), ValueError, ["rotary_dim", "even"]),
+    (dict(rotary_dim=128), ValueError, ["rotary_dim", "head_dim=64"]),
+    (dict(inv_freq=lambda x: x[:5]), ValueError, ["inv_freq", "rotary_dim/2"]),
+    (dict(cache_layout="NDH"), ValueError, ["cache_layout", "NHD"]),
+    (dict(rotary_style="llama"), ValueError, ["rotary_style", "gptj"]),
+    (dict(value_cache=lambda x: x[:2]), ValueError, ["value_cache", "shape of key_cache"]),
+    (dict(key_cache=lambda x: x[:, :, :1]), ValueError, ["key_cache", "Hkv"]),
+    (dict(slot_mapping=lambda x: x[:3]), ValueError, ["slot_mapping", "[T]"]),
+    (dict(positions=lambda x: x.float()), TypeError, ["positions", "int32 or int64"]),
+    (dict(k_scale=0.5), ValueError, ["k_scale", "float8_e4m3fn"]),
+    (dict(norm_weight_offset=1.0, norm_rounding="hf"), ValueError, ["norm_weight_offset"]),
+    (dict(query=lambda x: x[..., :48], key=lambda x: x[..., :48], value=lambda x: x[..., :48]),
+     ValueError, ["head_dim", "512"]),
+])
+def test_bad_arguments_are_named(change, exc, words):
+    args, kwargs = bad(**change)
+    with pytest.raises(exc) as info:
+        qkrope.fused_qk_norm_rope_paged(*args, **kwargs)
+    for w in words:
+        assert w in str(info.value), f"{w!r} not in {info.value}"
+
+
+def test_fp8_cache_requires_scale():
+    args, kwargs = make(PCase(cache_dtype=torch.float8_e4m3fn))
+    kwargs.pop("k_scale")
+    with pytest.raises(ValueError, match="k_scale is required"):
+        qkrope.fused_qk_norm_rope_paged(*args, **kwargs)
+
+
+def test_packed_entry_point_matches_views():
+    c = PCase(packed=True)
+    args, kwargs = make(c)
+    q, k, v = args[:3]
+    qkv = q.view(c.T, -1)._base if q._base is not None else None
+    assert qkv is not None and qkv.shape == (c.T, (c.Hq + 2 * c.Hkv) * c.D)
+    kc2, vc2 = args[4].clone(), args[5].clone()
+    a = qkrope.fused_qkv_norm_rope_paged(qkv, c.Hq, c.Hkv, *args[3:], **kwargs)
+    b = qkrope.fused_qk_norm_rope_paged(q, k, v, args[3], kc2, vc2, *args[6:], **kwargs)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert torch.equal(args[4], kc2) and torch.equal(args[5], vc2)
