@@ -98,3 +98,11 @@ def test_cli_on_cpu_checks_through_interpreter_and_exits_zero(capsys, tmp_path):
     data = json.loads((tmp_path / "o.json").read_text())
     assert data["timed"] is False and data["workloads"][0]["impls"]["qkrope"]["correct"] is True
     assert not (tmp_path / "o.png").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path of the CLI")
+def test_cli_paged_layout_on_cpu(capsys):
+    rc = main(["bench", "--layout", "paged", "--shape", "1,0,6", "--shape", "9,4,1",
+               "--model", "qwen3-0.6b"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "layout paged" in out and out.count("| pass |") == 2

@@ -237,3 +237,15 @@ def test_packed_entry_point_matches_views():
     b = qkrope.fused_qk_norm_rope_paged(q, k, v, args[3], kc2, vc2, *args[6:], **kwargs)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     assert torch.equal(args[4], kc2) and torch.equal(args[5], vc2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [
+    PCase(T=1000, Hq=32, Hkv=8, D=128, num_blocks=256, block_size=16),
+    PCase(T=777, Hq=96, Hkv=8, D=128, num_blocks=64, block_size=16, layout="HND", packed=True),
+    PCase(T=300, Hq=16, Hkv=4, D=256, num_blocks=32, block_size=16, style="gptj",
+          rotary_dim=64, cache_dtype=torch.float8_e4m3fn, per_head_scale=True),
+    PCase(T=64, Hq=8, Hkv=8, D=512, num_blocks=8, block_size=16, offset=1.0),
+], ids=["nhd-32-8", "hnd-96-8-packed", "fp8-gptj-partial-d256", "d512-gemma"])
+def test_paged_large_shapes(case):
+    check(case)

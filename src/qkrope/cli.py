@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .suite import MODELS, SUITE, Workload
+from .suite import MODELS, PAGED_SUITE, SUITE, Workload
 
 DEFAULT_IMPLS = "qkrope,torch.compile,eager,liger,flashinfer"
 
@@ -37,6 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="custom workload (repeatable) instead of the suite")
     b.add_argument("--sweep", action="store_true",
                    help="prefill lengths 1..16384 and decode batches 2..4096 instead of the suite")
+    b.add_argument("--layout", choices=("bhsd", "paged"), default="bhsd",
+                   help="bhsd: the [B, H, S, D] op on the 13-workload suite (default); paged: "
+                        "the token-major op with a paged NHD cache on decode batches of 64 and "
+                        "256 sequences at mixed positions and a 4096-token prefill, against the "
+                        "unfused serving sequence")
     b.add_argument("--iters", type=int, default=50, help="timed calls per measurement (50)")
     b.add_argument("--warmup", type=int, default=10, help="warm-up calls (10)")
     b.add_argument("--host-calls", type=int, default=2000,
@@ -66,9 +71,10 @@ def _bench(args) -> int:
     elif args.sweep:
         workloads = sweep_workloads()
     else:
-        workloads = list(SUITE)
+        workloads = list(PAGED_SUITE if args.layout == "paged" else SUITE)
     cache_len = args.cache_len
-    if cache_len is None and torch.cuda.is_available() and not (args.shape or args.sweep):
+    if (cache_len is None and torch.cuda.is_available() and not (args.shape or args.sweep)
+            and args.layout == "bhsd"):
         cache_len = geometry.max_position_embeddings
     if not torch.cuda.is_available():
         err.print("[yellow]No CUDA device: checking the real kernel through Triton's interpreter "
@@ -81,7 +87,8 @@ def _bench(args) -> int:
             workloads, geometry, impls, iters=args.iters, warmup=args.warmup,
             host_calls=args.host_calls, graphs=not args.no_graph,
             benchmark_inputs=args.benchmark_inputs, cache_capacity=cache_len, seed=args.seed,
-            progress=lambda msg: status.update(f"[bold]qkrope bench[/bold] {msg}"))
+            progress=lambda msg: status.update(f"[bold]qkrope bench[/bold] {msg}"),
+            layout=args.layout)
     print(render_markdown(report))
     if args.json:
         write_json(report, args.json)

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
-    "Workload", "SUITE", "ModelGeometry", "MODELS", "DEFAULT_MODEL", "OpInputs", "make_inputs",
-    "rope_inv_freq", "TensorCheck", "check_outputs", "bytes_moved",
+    "Workload", "SUITE", "PAGED_SUITE", "ModelGeometry", "MODELS", "DEFAULT_MODEL", "OpInputs",
+    "make_inputs", "make_paged_inputs", "rope_inv_freq", "TensorCheck", "check_outputs",
+    "bytes_moved",
 ]
 
 
@@ -45,6 +46,16 @@ SUITE: tuple[Workload, ...] = (
     Workload(2048, 0, 1, 3.4e-3),
     Workload(4096, 2048, 1, 9.8e-3),
 )
+
+
+#: Serving-layout workloads (issue 6): decode batches of 64 and 256 sequences at mixed positions
+#: (S=1, B sequences) and a 4096-token prefill, token-major with a paged NHD cache.
+PAGED_SUITE: tuple[Workload, ...] = (
+    Workload(1, 0, 64, 1e-5),
+    Workload(1, 0, 256, 1e-5),
+    Workload(4096, 0, 1, 9.8e-3),
+)
+PAGED_BLOCK_SIZE = 16
 
 
 @dataclass(frozen=True)
@@ -118,6 +129,50 @@ def make_inputs(
         q_w, k_w = 1 + 0.5 * randn(D), 1 + 0.5 * randn(D)
     inv_freq = rope_inv_freq(D, geometry.rope_theta, device=device)
     return (query, key, value, position_ids, key_cache, value_cache, rows, q_w, k_w, inv_freq,
+            geometry.rms_norm_eps)
+
+
+def make_paged_inputs(
+    workload: Workload,
+    geometry: ModelGeometry = DEFAULT_MODEL,
+    *,
+    device: str | torch.device = "cuda",
+    dtype: torch.dtype = torch.bfloat16,
+    cache_capacity: int | None = None,
+    benchmark_weights: bool = False,
+    generator: torch.Generator | None = None,
+) -> OpInputs:
+    """The eleven arguments of :func:`qkrope.fused_qk_norm_rope_paged` for ``workload``.
+
+    T = B * S tokens, token-major; NHD cache of 16-token blocks. Decode (S = 1): each of the B
+    sequences at a random position below 32768, written to a random distinct slot of a cache of
+    ``cache_capacity`` slots (default 64 per sequence). Prefill: positions and slots
+    ``arange(C, C + S)``.
+    """
+    T, Hq, Hkv, D = workload.tokens, geometry.num_q_heads, geometry.num_kv_heads, geometry.head_dim
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator, device=device, dtype=dtype)
+
+    query, key, value = randn(T, Hq, D), randn(T, Hkv, D), randn(T, Hkv, D)
+    if workload.seq_len == 1:
+        slots_total = cache_capacity or 64 * T
+        positions = torch.randint(0, 32768, (T,), generator=generator, device=device)
+        slots = torch.randperm(slots_total, generator=generator, device=device)[:T]
+    else:
+        slots_total = cache_capacity or workload.cache_len + workload.seq_len
+        positions = torch.arange(workload.cache_len, workload.cache_len + T, device=device)
+        slots = positions.clone()
+    num_blocks = -(-slots_total // PAGED_BLOCK_SIZE)
+    key_cache = randn(num_blocks, PAGED_BLOCK_SIZE, Hkv, D)
+    value_cache = randn(num_blocks, PAGED_BLOCK_SIZE, Hkv, D)
+    if benchmark_weights:
+        q_w = torch.ones(D, device=device, dtype=dtype)
+        k_w = torch.ones(D, device=device, dtype=dtype)
+    else:
+        q_w, k_w = 1 + 0.5 * randn(D), 1 + 0.5 * randn(D)
+    inv_freq = rope_inv_freq(D, geometry.rope_theta, device=device)
+    return (query, key, value, positions, key_cache, value_cache, slots, q_w, k_w, inv_freq,
             geometry.rms_norm_eps)
 
 

@@ -16,8 +16,10 @@ import torch
 
 from ..ops.qknorm_rope_cache import fused_rope_with_qk_norm_and_kv_cache_update
 from ..ops.qknorm_rope_cache.reference import qknorm_rope_cache_ref
+from ..ops.qknorm_rope_paged import fused_qk_norm_rope_paged, qknorm_rope_paged_ref
+from ..suite import make_inputs, make_paged_inputs
 
-__all__ = ["Impl", "IMPLS", "resolve_impls"]
+__all__ = ["Impl", "IMPLS", "PAGED_IMPLS", "Layout", "LAYOUTS", "resolve_impls"]
 
 OpFn = Callable[..., tuple]
 
@@ -88,14 +90,68 @@ IMPLS: dict[str, Impl] = {
 }
 
 
-def resolve_impls(names: list[str]) -> tuple[dict[str, OpFn], dict[str, str]]:
+def _paged_outputs(op: OpFn) -> OpFn:
+    """The paged op with the caches appended to its outputs, as the checks compare four."""
+
+    def run(*args):
+        return (*op(*args), args[4], args[5])
+
+    return run
+
+
+def _paged_compiled() -> OpFn:
+    _compiled_reference()  # same Dynamo limits
+    return torch.compile(_paged_outputs(qknorm_rope_paged_ref), dynamic=False)
+
+
+PAGED_IMPLS: dict[str, Impl] = {
+    i.name: i
+    for i in (
+        Impl("qkrope", "qkrope paged kernel (one launch)",
+             lambda: _paged_outputs(fused_qk_norm_rope_paged)),
+        Impl("torch.compile", "torch.compile of the unfused serving sequence", _paged_compiled),
+        Impl("eager", "unfused serving sequence: RMSNorm, RoPE, cache index_put (eager)",
+             lambda: _paged_outputs(qknorm_rope_paged_ref)),
+    )
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a benchmark layout needs: its inputs, its oracle (fresh caches) and its peers."""
+
+    name: str
+    make_inputs: Callable[..., tuple]
+    reference: Callable[[tuple], tuple]
+    impls: dict[str, Impl]
+
+
+def _paged_reference(args: tuple) -> tuple:
+    args = list(args)
+    args[4], args[5] = args[4].clone(), args[5].clone()
+    return _paged_outputs(qknorm_rope_paged_ref)(*args)
+
+
+LAYOUTS: dict[str, Layout] = {
+    "bhsd": Layout("bhsd", make_inputs, lambda a: qknorm_rope_cache_ref(*a, inplace=False),
+                   IMPLS),
+    "paged": Layout("paged", make_paged_inputs, _paged_reference, PAGED_IMPLS),
+}
+
+
+def resolve_impls(names: list[str], layout: str = "bhsd"
+                  ) -> tuple[dict[str, OpFn], dict[str, str]]:
     """Build the requested implementations; returns ``(available, skipped_with_reason)``."""
+    registry = LAYOUTS[layout].impls
     available, skipped = {}, {}
     for name in names:
         if name not in IMPLS:
             raise ValueError(f"unknown implementation {name!r}; choose from {', '.join(IMPLS)}")
+        if name not in registry:
+            skipped[name] = f"no {layout} adapter"
+            continue
         try:
-            available[name] = IMPLS[name].build()
+            available[name] = registry[name].build()
         except ImportError as e:
             skipped[name] = str(e)
     return available, skipped

@@ -18,11 +18,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .. import __version__
-from ..ops.qknorm_rope_cache.reference import qknorm_rope_cache_ref
 from ..suite import (
-    DEFAULT_MODEL, SUITE, ModelGeometry, Workload, bytes_moved, check_outputs, make_inputs,
+    DEFAULT_MODEL, SUITE, ModelGeometry, Workload, bytes_moved, check_outputs,
 )
-from .impls import resolve_impls
+from .impls import LAYOUTS, resolve_impls
 
 __all__ = ["ImplResult", "WorkloadResult", "BenchReport", "run_benchmark", "render_markdown",
            "write_json", "write_plot", "sweep_workloads", "environment"]
@@ -153,19 +152,23 @@ def run_benchmark(
     cache_capacity: int | None = None,
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
+    layout: str = "bhsd",
 ) -> BenchReport:
     """Check and (with CUDA) time ``impls`` on ``workloads``.
 
     ``cache_capacity`` is the cache length L of every workload; None gives each workload the
-    smallest cache that holds its rows, ``C + S``.
+    smallest cache that holds its rows, ``C + S``. ``layout="paged"`` runs the token-major op
+    with a paged cache (:data:`qkrope.suite.PAGED_SUITE` workloads) against the unfused serving
+    sequence.
     """
+    lay = LAYOUTS[layout]
     timed = torch.cuda.is_available()
     device = "cuda" if timed else "cpu"
     skipped = {}
     if not timed:  # the interpreter checks the real kernel; the baselines only matter for timing
         skipped = {n: "timing needs a CUDA GPU" for n in impls if n != "qkrope"}
         impls = [n for n in impls if n == "qkrope"]
-    available, unavailable = resolve_impls(list(impls))
+    available, unavailable = resolve_impls(list(impls), layout)
     skipped.update(unavailable)
     tick = progress or (lambda msg: None)
 
@@ -185,10 +188,10 @@ def run_benchmark(
         nbytes = bytes_moved(w, geometry)
         wr = WorkloadResult(idx, w.seq_len, w.cache_len, w.batch, w.atol, w.tokens, nbytes,
                             nbytes / bandwidth * 1e6 if bandwidth else None)
-        L = cache_capacity or w.cache_len + w.seq_len
-        args = make_inputs(w, geometry, device=device, cache_capacity=L, generator=gen,
-                           benchmark_weights=benchmark_inputs)
-        ref = qknorm_rope_cache_ref(*args, inplace=False)
+        L = cache_capacity or (None if layout == "paged" else w.cache_len + w.seq_len)
+        args = lay.make_inputs(w, geometry, device=device, cache_capacity=L, generator=gen,
+                               benchmark_weights=benchmark_inputs)
+        ref = lay.reference(args)
         for name, fn in available.items():
             tick(f"{w.name}: {name}")
             call_args = _with_fresh_caches(args)
@@ -211,7 +214,7 @@ def run_benchmark(
         environment=environment(),
         settings=dict(iters=iters, warmup=warmup, host_calls=host_calls, graphs=graphs,
                       benchmark_inputs=benchmark_inputs, cache_capacity=cache_capacity,
-                      seed=seed),
+                      seed=seed, layout=layout),
     )
 
 
@@ -251,7 +254,9 @@ def render_markdown(report: BenchReport, main: str = "qkrope") -> str:
     """The report as markdown: the per-workload table, geomeans, host/graph times, notes."""
     lines = []
     env = report.environment
-    lines.append(f"qkrope bench — {env.get('gpu') or 'no CUDA device'} — model {report.model} "
+    layout = report.settings.get("layout", "bhsd")
+    lines.append(f"qkrope bench — {env.get('gpu') or 'no CUDA device'} — layout {layout} — "
+                 f"model {report.model} "
                  f"({report.geometry['num_q_heads']}/{report.geometry['num_kv_heads']}/"
                  f"{report.geometry['head_dim']}) — torch {env['torch']}, triton {env['triton']}, "
                  f"qkrope {env['qkrope']}")
