@@ -110,3 +110,28 @@ def test_fused_matches_reference_random_shapes(B, Hkv, group, S, D, extra_rows, 
     c = Case(B=B, Hq=Hkv * group, Hkv=Hkv, S=S, D=D, L=S + 3 + extra_rows, dtype=dtype,
              noncontig=noncontig, start=3 + extra_rows, seed=seed, max_pos=2**18)
     run_and_check(make_inputs(c))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter is turned on only without CUDA")
+def test_kernels_run_when_triton_was_imported_before_qkrope():
+    # transformers (through torch._inductor) imports triton before a user imports qkrope; the
+    # interpreter is then enabled after triton.language exists, and the kernels must still run.
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import triton.language, torch, sys\n"
+        "sys.path.insert(0, 'tests')\n"
+        "import qkrope\n"
+        "from helpers import Case, make_inputs, run_and_check\n"
+        "run_and_check(make_inputs(Case(S=3)))\n"
+        "from test_paged import PCase, check\n"
+        "check(PCase(T=4))\n"
+        "print('ok')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         cwd=root, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]

@@ -31,6 +31,19 @@ def _offsets(b, h, s, d, stride_b, stride_h, stride_s, stride_d):
 
 
 @triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def _row_sum(x):
+    """``tl.sum(x, axis=2)`` spelled with the reduce builtin: Triton's own @jit helpers
+    (tl.sum, tl.cdiv) break in the interpreter when triton was imported before it was enabled
+    (e.g. by transformers), while kernels defined here afterwards do not."""
+    return tl.reduce(x, 2, _add)
+
+
+@triton.jit
 def _round(x, DT: tl.constexpr, INTERPRETER: tl.constexpr):
     """Round fp32 ``x`` to ``DT`` (nearest even) and return it as fp32: one SPEC rounding point."""
     if INTERPRETER and DT == tl.bfloat16:
@@ -86,7 +99,7 @@ def _norm_rope(x1, x2, w_ptr, stride_w, cos, sin, eps, DT: tl.constexpr, HALF: t
     w1 = tl.load(w_ptr + d * stride_w).to(tl.float32)[None, None, :]
     w2 = tl.load(w_ptr + (d + HALF) * stride_w).to(tl.float32)[None, None, :]
     # 1/D is a power of two for every supported head_dim, so this equals torch's sum * (1/D).
-    mean_sq = (tl.sum(x1 * x1, axis=2) + tl.sum(x2 * x2, axis=2)) * (0.5 / HALF)
+    mean_sq = (_row_sum(x1 * x1) + _row_sum(x2 * x2)) * (0.5 / HALF)
     rstd = tl.math.rsqrt(mean_sq + eps)[:, :, None]
     if HF_NORM:
         # HF's Qwen3RMSNorm rounds the normalized row, then multiplies by the weight in DT.
@@ -137,7 +150,7 @@ def qknorm_rope_cache_kernel(
     s_mask = s_idx < S
     s3 = s_idx[None, :, None]
     d3 = tl.arange(0, HALF)[None, None, :]
-    n_q_blocks = tl.cdiv(Hq, BLOCK_HQ)
+    n_q_blocks = (Hq + BLOCK_HQ - 1) // BLOCK_HQ  # not tl.cdiv: see _row_sum
     DT = q_ptr.dtype.element_ty
 
     # In each branch every load is issued before the sin/cos work, so the row loads and the

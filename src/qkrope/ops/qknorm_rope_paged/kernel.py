@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from ..qknorm_rope_cache.kernel import _round
+from ..qknorm_rope_cache.kernel import _round, _row_sum
 
 
 @triton.jit
@@ -60,7 +60,7 @@ def _norm_rotate(x_ptr, row_off, stride_d, mask, w_ptr, stride_w, pos, inv_freq_
     x = x.to(tl.float32)
     xp = xp.to(tl.float32)
 
-    rstd = tl.math.rsqrt(tl.sum(x * x, axis=2) * (1.0 / D) + eps)[:, :, None]
+    rstd = tl.math.rsqrt(_row_sum(x * x) * (1.0 / D) + eps)[:, :, None]
     if HF_NORM:
         n = _round(w[None, None, :] * _round(x * rstd, DT, INTERPRETER), DT, INTERPRETER)
         n_p = _round(wp[None, None, :] * _round(xp * rstd, DT, INTERPRETER), DT, INTERPRETER)
@@ -143,7 +143,7 @@ def qknorm_rope_paged_kernel(
     t3 = t[None, :, None].to(tl.int64)
     pos = tl.load(pos_ptr + t.to(tl.int64) * stride_pos, mask=t < T, other=0)
     pos3 = pos.to(tl.float32)[None, :, None]
-    n_q_blocks = tl.cdiv(Hq, BLOCK_H)
+    n_q_blocks = (Hq + BLOCK_H - 1) // BLOCK_H  # not tl.cdiv: see _row_sum
     h_local = tl.arange(0, BLOCK_H)[:, None, None]
     d = tl.arange(0, D)[None, None, :]
 
