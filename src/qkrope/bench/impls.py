@@ -36,14 +36,19 @@ def _eager_reference() -> OpFn:
     return functools.partial(qknorm_rope_cache_ref, skip_out_of_range=False)
 
 
-def _compiled_reference() -> OpFn:
+def _compile(fn: OpFn) -> OpFn:
+    """``torch.compile(fn, dynamic=False)``: one specialised graph per shape, as a serving engine
+    would warm up, with Dynamo's recompile limits raised for the many shapes of a run."""
     import torch._dynamo
 
-    # One specialised graph per shape, as a serving engine would warm up; allow many shapes.
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
     if hasattr(torch._dynamo.config, "recompile_limit"):
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
-    return torch.compile(_eager_reference(), dynamic=False)
+    return torch.compile(fn, dynamic=False)
+
+
+def _compiled_reference() -> OpFn:
+    return _compile(_eager_reference())
 
 
 def _liger() -> OpFn:
@@ -100,8 +105,7 @@ def _paged_outputs(op: OpFn) -> OpFn:
 
 
 def _paged_compiled() -> OpFn:
-    _compiled_reference()  # same Dynamo limits
-    return torch.compile(_paged_outputs(qknorm_rope_paged_ref), dynamic=False)
+    return _compile(_paged_outputs(qknorm_rope_paged_ref))
 
 
 PAGED_IMPLS: dict[str, Impl] = {
