@@ -65,10 +65,14 @@ def qknorm_rope_paged_ref(
     q_norm_weight, k_norm_weight, inv_freq, rms_norm_eps, *,
     cache_layout: str = "NHD", rotary_style: str = "neox", rotary_dim: int | None = None,
     norm_weight_offset: float = 0.0, norm_rounding: str = "weight_fp32",
-    k_scale=None, v_scale=None,
+    k_scale=None, v_scale=None, skip_out_of_range: bool = True,
 ):
     """Reference of :func:`qkrope.fused_qk_norm_rope_paged` (same arguments); writes the
-    caches in place and returns ``(query_rotated [T, Hq, D], key_rotated [T, Hkv, D])``."""
+    caches in place and returns ``(query_rotated [T, Hq, D], key_rotated [T, Hkv, D])``.
+
+    ``skip_out_of_range=False`` writes every token's slot without filtering (no boolean
+    indexing, so no host sync and ``torch.compile``-friendly; every slot must be valid).
+    """
     rotary_dim = rotary_dim or query.shape[-1]
 
     def norm(x, w):
@@ -78,7 +82,13 @@ def qknorm_rope_paged_ref(
 
     q_rot = rotate_ref(norm(query, q_norm_weight), positions, inv_freq, rotary_dim, rotary_style)
     k_rot = rotate_ref(norm(key, k_norm_weight), positions, inv_freq, rotary_dim, rotary_style)
-    block, offset, valid = _paged_rows(key_cache, cache_layout, slot_mapping)
-    _store(key_cache, cache_layout, block, offset, k_rot[valid], k_scale)
-    _store(value_cache, cache_layout, block, offset, value[valid], v_scale)
+    if skip_out_of_range:
+        block, offset, valid = _paged_rows(key_cache, cache_layout, slot_mapping)
+        k_new, v_new = k_rot[valid], value[valid]
+    else:
+        block_size = key_cache.shape[1] if cache_layout == "NHD" else key_cache.shape[2]
+        block, offset = slot_mapping // block_size, slot_mapping % block_size
+        k_new, v_new = k_rot, value
+    _store(key_cache, cache_layout, block, offset, k_new, k_scale)
+    _store(value_cache, cache_layout, block, offset, v_new, v_scale)
     return q_rot, k_rot
