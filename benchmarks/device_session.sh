@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One device call per step, in the order the open issues need them (each step's output lands in
+# $OUT, which the device tool returns). Usage on the GPU machine, from the repo root:
+#   bash benchmarks/device_session.sh tests      # full GPU test run                 (~80 s)
+#   bash benchmarks/device_session.sh suite      # qkrope bench, suite, JSON + plot (~200 s)
+#   bash benchmarks/device_session.sh paged      # qkrope bench --layout paged       (~90 s)
+#   bash benchmarks/device_session.sh sweep      # --sweep vs torch.compile, 96/8 and 32/8 heads
+#   bash benchmarks/device_session.sh e2e        # Qwen3 decode step with/without the patch
+#   bash benchmarks/device_session.sh tiles      # tile sweep on the mid-size workloads
+# Liger-Kernel, if wanted, travels as a wheel in .whl/ (see the device tool's README).
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+    .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+
+case "${1:-tests}" in
+  tests) python3 -m pytest -q tests/ -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -15 ;;
+  suite) python3 -m qkrope bench --json "$OUT/bench.json" --plot "$OUT/bench.png" \
+           2>&1 | tee "$OUT/bench.md" ;;
+  paged) python3 -m qkrope bench --layout paged --impl qkrope,torch.compile,eager \
+           --json "$OUT/paged.json" 2>&1 | tee "$OUT/paged.md" ;;
+  sweep) for m in qwen3-coder-480b qwen3-8b; do
+           python3 -m qkrope bench --sweep --model $m --impl qkrope,torch.compile --no-graph \
+             --host-calls 200 --json "$OUT/sweep-$m.json" --plot "$OUT/sweep-$m.png" \
+             2>&1 | tee "$OUT/sweep-$m.md"
+         done ;;
+  e2e)   python3 benchmarks/e2e_qwen3.py 2>&1 | tee "$OUT/e2e.md" ;;
+  tiles) python3 benchmarks/tile_sweep.py --workloads 3,4,6,8,10 \
+           --configs 16,8,1,2 8,8,2,2 16,8,2,2 8,4,2,1 32,8,1,4 4,4,4,2 2>&1 | tee "$OUT/tiles.md" ;;
+  *) echo "unknown step $1" >&2; exit 2 ;;
+esac
