@@ -45,6 +45,7 @@ def fake(monkeypatch):
     monkeypatch.setattr(launcher, "qknorm_rope_cache_kernel", jit)
     monkeypatch.setattr(launcher, "_fast_path_ok", lambda: True)
     monkeypatch.setattr(launcher, "_raw_stream", lambda index: 1234)
+    monkeypatch.setattr(launcher, "_current_device", lambda: -1)  # CPU tensors' get_device()
     monkeypatch.setattr(launcher, "_PLANS", {})
     return jit
 
@@ -92,3 +93,24 @@ def test_allocated_outputs_match_the_checked_path(fake):
     for a, b in ((q1, q2), (k1, k2)):
         assert (a.shape, a.stride(), a.dtype, a.device) == (b.shape, b.stride(), b.dtype,
                                                             b.device)
+
+
+def test_direct_launch_makes_the_tensors_device_current(fake, monkeypatch):
+    entered = []
+
+    class FakeDevice:
+        def __init__(self, index):
+            entered.append(index)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    args = make_inputs(Case(S=2))
+    launcher.fused_rope_with_qk_norm_and_kv_cache_update(*args)
+    monkeypatch.setattr(torch.cuda, "device", FakeDevice)
+    monkeypatch.setattr(launcher, "_current_device", lambda: 7)  # another device is current
+    launcher.fused_rope_with_qk_norm_and_kv_cache_update(*args)
+    assert entered == [args[0].get_device()] and len(fake.compiled.runs) == 1

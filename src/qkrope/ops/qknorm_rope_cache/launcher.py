@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import numbers
@@ -302,6 +303,13 @@ class _Plan(NamedTuple):
     device_index: int
 
     def launch(self, tensors, query_out, key_out, eps: float) -> None:
+        if _current_device() == self.device_index:
+            self._run(tensors, query_out, key_out, eps)
+        else:  # a launch goes to the current device: make the tensors' device current
+            with torch.cuda.device(self.device_index):
+                self._run(tensors, query_out, key_out, eps)
+
+    def _run(self, tensors, query_out, key_out, eps: float) -> None:
         k = self.kernel
         k.run(*self.grid, _raw_stream(self.device_index), k.function, k.packed_metadata, None,
               None, None, *tensors, query_out, key_out, eps, *self.tail)
@@ -311,6 +319,13 @@ class _Plan(NamedTuple):
 # building a torch.cuda.Stream object per call); the public route where it is missing.
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream",
                       lambda index: torch.cuda.current_stream(index).cuda_stream)
+_current_device = torch.cuda.current_device
+
+
+def device_of(t: torch.Tensor):
+    """Context that makes ``t``'s GPU current (Triton launches on the current device), or a
+    no-op off CUDA."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 _PLANS: dict[tuple, _Plan] = {}
@@ -355,7 +370,8 @@ def _checked_call(tensors, rms_norm_eps, query_out, key_out, hf_norm: bool):
         _check_out("key_out", key_out, key)
     cfg = pick_config(B, Hq, Hkv, S, D, interpreting())
     grid, args, meta = _kernel_args(*tensors, rms_norm_eps, query_out, key_out, cfg, hf_norm)
-    compiled = qknorm_rope_cache_kernel[grid](*args, **meta)
+    with device_of(query):
+        compiled = qknorm_rope_cache_kernel[grid](*args, **meta)
     if _fast_path_ok() and hasattr(compiled, "run") and len(_PLANS) < 4096:
         names = qknorm_rope_cache_kernel.arg_names
         tail = (*args[13:], *(meta[n] for n in names[len(args):]))  # constexprs, in order

@@ -11,7 +11,7 @@ import triton
 
 from ..._interpret import interpreting
 from ..qknorm_rope_cache.launcher import (
-    ACTIVATION_DTYPES, INDEX_DTYPES, NORM_ROUNDINGS, _check_out, _shape, _tensor,
+    ACTIVATION_DTYPES, INDEX_DTYPES, NORM_ROUNDINGS, _check_out, _shape, _tensor, device_of,
 )
 from .kernel import qknorm_rope_paged_kernel
 from .reference import FP8_MAX
@@ -192,6 +192,7 @@ def fused_qk_norm_rope_paged(
     v_sc = _scale_tensor("v_scale", v_scale, value_cache, Hkv, query.device)
     if k_sc is not None and v_sc is not None and k_sc.numel() != v_sc.numel():
         raise ValueError("k_scale and v_scale must both be per-tensor or both per-head")
+    per_head = any(sc is not None and sc.numel() > 1 for sc in (k_sc, v_sc))
     if query_out is None:
         query_out = torch.empty_like(query, memory_format=torch.contiguous_format)
     else:
@@ -207,22 +208,22 @@ def fused_qk_norm_rope_paged(
     # The cache's (block, offset, head, dim) strides; the layout is nothing more than these.
     kc_s = key_cache.stride() if cache_layout == "NHD" else _hnd(key_cache.stride())
     vc_s = value_cache.stride() if cache_layout == "NHD" else _hnd(value_cache.stride())
-    unused = inv_freq  # any valid pointer for an absent scale; the kernel never reads it
-    qknorm_rope_paged_kernel[grid](
-        query, key, value, positions, key_cache, value_cache, slot_mapping,
-        q_norm_weight, k_norm_weight, inv_freq, query_out, key_out,
-        unused if k_sc is None else k_sc, unused if v_sc is None else v_sc,
-        float(rms_norm_eps), float(norm_weight_offset), T, Hq, Hkv, bs, nb * bs,
-        *query.stride(), *key.stride(), *value.stride(), *query_out.stride(),
-        *key_out.stride(), *kc_s, *vc_s,
-        positions.stride(0), slot_mapping.stride(0), q_norm_weight.stride(0),
-        k_norm_weight.stride(0), inv_freq.stride(0),
-        D=D, ROT=rot, GPTJ=rotary_style == "gptj", HF_NORM=norm_rounding == "hf",
-        BLOCK_H=block_h, BLOCK_T=block_t, K_SCALED=k_sc is not None, V_SCALED=v_sc is not None,
-        PER_HEAD_SCALE=k_sc is not None and k_sc.numel() > 1 or (
-            v_sc is not None and v_sc.numel() > 1),
-        INTERPRETER=interpret, num_warps=num_warps, enable_fp_fusion=False,
-    )
+    with device_of(query):  # Triton launches on the current device
+        unused = inv_freq  # any valid pointer for an absent scale; the kernel never reads it
+        qknorm_rope_paged_kernel[grid](
+            query, key, value, positions, key_cache, value_cache, slot_mapping,
+            q_norm_weight, k_norm_weight, inv_freq, query_out, key_out,
+            unused if k_sc is None else k_sc, unused if v_sc is None else v_sc,
+            float(rms_norm_eps), float(norm_weight_offset), T, Hq, Hkv, bs, nb * bs,
+            *query.stride(), *key.stride(), *value.stride(), *query_out.stride(),
+            *key_out.stride(), *kc_s, *vc_s,
+            positions.stride(0), slot_mapping.stride(0), q_norm_weight.stride(0),
+            k_norm_weight.stride(0), inv_freq.stride(0),
+            D=D, ROT=rot, GPTJ=rotary_style == "gptj", HF_NORM=norm_rounding == "hf",
+            BLOCK_H=block_h, BLOCK_T=block_t, K_SCALED=k_sc is not None,
+            V_SCALED=v_sc is not None, PER_HEAD_SCALE=per_head,
+            INTERPRETER=interpret, num_warps=num_warps, enable_fp_fusion=False,
+        )
     return query_out, key_out
 
 
