@@ -92,6 +92,14 @@ def rope_inv_freq(head_dim: int, theta: float, device=None) -> torch.Tensor:
 OpInputs = tuple  # the eleven op arguments, in the op's (and the benchmark's) order
 
 
+def _norm_weights(D: int, benchmark_weights: bool, randn, device, dtype):
+    """q/k norm weights: the benchmark's all-ones, or random ``1 + 0.5 * randn`` (default: a
+    kernel that ignored the weights would pass on all-ones)."""
+    if benchmark_weights:
+        return (torch.ones(D, device=device, dtype=dtype), torch.ones(D, device=device, dtype=dtype))
+    return 1 + 0.5 * randn(D), 1 + 0.5 * randn(D)
+
+
 def make_inputs(
     workload: Workload,
     geometry: ModelGeometry = DEFAULT_MODEL,
@@ -122,11 +130,7 @@ def make_inputs(
     key_cache, value_cache = randn(B, Hkv, L, D), randn(B, Hkv, L, D)
     rows = torch.arange(C, C + S, device=device, dtype=torch.int64)
     position_ids = rows[None, :].expand(B, S)
-    if benchmark_weights:
-        q_w = torch.ones(D, device=device, dtype=dtype)
-        k_w = torch.ones(D, device=device, dtype=dtype)
-    else:
-        q_w, k_w = 1 + 0.5 * randn(D), 1 + 0.5 * randn(D)
+    q_w, k_w = _norm_weights(D, benchmark_weights, randn, device, dtype)
     inv_freq = rope_inv_freq(D, geometry.rope_theta, device=device)
     return (query, key, value, position_ids, key_cache, value_cache, rows, q_w, k_w, inv_freq,
             geometry.rms_norm_eps)
@@ -166,11 +170,7 @@ def make_paged_inputs(
     num_blocks = -(-slots_total // PAGED_BLOCK_SIZE)
     key_cache = randn(num_blocks, PAGED_BLOCK_SIZE, Hkv, D)
     value_cache = randn(num_blocks, PAGED_BLOCK_SIZE, Hkv, D)
-    if benchmark_weights:
-        q_w = torch.ones(D, device=device, dtype=dtype)
-        k_w = torch.ones(D, device=device, dtype=dtype)
-    else:
-        q_w, k_w = 1 + 0.5 * randn(D), 1 + 0.5 * randn(D)
+    q_w, k_w = _norm_weights(D, benchmark_weights, randn, device, dtype)
     inv_freq = rope_inv_freq(D, geometry.rope_theta, device=device)
     return (query, key, value, positions, key_cache, value_cache, slots, q_w, k_w, inv_freq,
             geometry.rms_norm_eps)

@@ -115,6 +115,19 @@ def _check_out(name: str, out: torch.Tensor, like: torch.Tensor) -> torch.Tensor
     return out
 
 
+def outputs_like(query: torch.Tensor, key: torch.Tensor, query_out, key_out):
+    """The caller's checked ``query_out``/``key_out``, or new contiguous ones like q and k."""
+    if query_out is None:
+        query_out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    else:
+        _check_out("query_out", query_out, query)
+    if key_out is None:
+        key_out = torch.empty_like(key, memory_format=torch.contiguous_format)
+    else:
+        _check_out("key_out", key_out, key)
+    return query_out, key_out
+
+
 def _check_cache_position_range(cache_position: torch.Tensor, L: int) -> None:
     bad = ~valid_cache_rows(cache_position, L)
     if bool(bad.any()):  # host sync: only on request
@@ -360,14 +373,7 @@ def _checked_call(tensors, rms_norm_eps, query_out, key_out, hf_norm: bool):
      q_norm_weight, k_norm_weight, inv_freq) = tensors
     B, Hq, Hkv, S, D, L = check_inputs(*tensors, rms_norm_eps)
     plan_key = _plan_key(tensors, query_out, key_out, hf_norm)
-    if query_out is None:
-        query_out = torch.empty_like(query, memory_format=torch.contiguous_format)
-    else:
-        _check_out("query_out", query_out, query)
-    if key_out is None:
-        key_out = torch.empty_like(key, memory_format=torch.contiguous_format)
-    else:
-        _check_out("key_out", key_out, key)
+    query_out, key_out = outputs_like(query, key, query_out, key_out)
     cfg = pick_config(B, Hq, Hkv, S, D, interpreting())
     grid, args, meta = _kernel_args(*tensors, rms_norm_eps, query_out, key_out, cfg, hf_norm)
     with device_of(query):

@@ -11,7 +11,7 @@ import triton
 
 from ..._interpret import interpreting
 from ..qknorm_rope_cache.launcher import (
-    ACTIVATION_DTYPES, INDEX_DTYPES, NORM_ROUNDINGS, _check_out, _shape, _tensor, device_of,
+    ACTIVATION_DTYPES, INDEX_DTYPES, NORM_ROUNDINGS, _shape, _tensor, device_of, outputs_like,
 )
 from .kernel import qknorm_rope_paged_kernel
 from .reference import FP8_MAX
@@ -193,14 +193,7 @@ def fused_qk_norm_rope_paged(
     if k_sc is not None and v_sc is not None and k_sc.numel() != v_sc.numel():
         raise ValueError("k_scale and v_scale must both be per-tensor or both per-head")
     per_head = any(sc is not None and sc.numel() > 1 for sc in (k_sc, v_sc))
-    if query_out is None:
-        query_out = torch.empty_like(query, memory_format=torch.contiguous_format)
-    else:
-        _check_out("query_out", query_out, query)
-    if key_out is None:
-        key_out = torch.empty_like(key, memory_format=torch.contiguous_format)
-    else:
-        _check_out("key_out", key_out, key)
+    query_out, key_out = outputs_like(query, key, query_out, key_out)
 
     interpret = interpreting()
     block_h, block_t, num_warps = _tile(T, Hq, Hkv, D, interpret)
