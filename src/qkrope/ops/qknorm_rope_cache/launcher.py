@@ -250,10 +250,11 @@ def fused_rope_with_qk_norm_and_kv_cache_update(
     plan = _PLANS.get(_plan_key(tensors, query_out, key_out, hf_norm)) if _fast_path_ok() else None
     if plan is None or type(rms_norm_eps) is not float or not 0.0 <= rms_norm_eps < math.inf:
         return _checked_call(tensors, rms_norm_eps, query_out, key_out, hf_norm)
+    # The signature fixed these outputs' checks; empty_like parses fewer arguments than empty.
     if query_out is None:
-        query_out = torch.empty(plan.q_out_shape, dtype=query.dtype, device=query.device)
+        query_out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if key_out is None:
-        key_out = torch.empty(plan.k_out_shape, dtype=query.dtype, device=query.device)
+        key_out = torch.empty_like(key, memory_format=torch.contiguous_format)
     plan.launch(tensors, query_out, key_out, rms_norm_eps)
     return query_out, key_out, key_cache, value_cache
 
@@ -311,8 +312,6 @@ class _Plan(NamedTuple):
     kernel: object               # triton CompiledKernel
     grid: tuple[int, int, int]
     tail: tuple                  # the launch arguments after rms_norm_eps, constexprs included
-    q_out_shape: torch.Size
-    k_out_shape: torch.Size
     device_index: int
 
     def launch(self, tensors, query_out, key_out, eps: float) -> None:
@@ -381,6 +380,5 @@ def _checked_call(tensors, rms_norm_eps, query_out, key_out, hf_norm: bool):
     if _fast_path_ok() and hasattr(compiled, "run") and len(_PLANS) < 4096:
         names = qknorm_rope_cache_kernel.arg_names
         tail = (*args[13:], *(meta[n] for n in names[len(args):]))  # constexprs, in order
-        _PLANS[plan_key] = _Plan(compiled, grid, tail, query_out.shape, key_out.shape,
-                                 query.get_device())
+        _PLANS[plan_key] = _Plan(compiled, grid, tail, query.get_device())
     return query_out, key_out, key_cache, value_cache
