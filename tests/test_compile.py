@@ -45,3 +45,30 @@ def test_eager_path_does_not_use_the_dispatcher(monkeypatch):
 
     monkeypatch.setattr(registration, "traced_call", None)
     op(*make_inputs(Case(S=2)))  # would raise TypeError if it went through traced_call
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_paged_op_compiles_fullgraph_and_writes_caches(fp8):
+    from test_paged import PCase, make
+
+    c = PCase(cache_dtype=torch.float8_e4m3fn if fp8 else None, seed=6)
+    args, kwargs = make(c)
+    kc_ref, vc_ref = args[4].clone(), args[5].clone()
+    ref = qkrope.reference_paged(*args[:4], kc_ref, vc_ref, *args[6:], **kwargs)
+    torch._dynamo.reset()
+    out = torch.compile(lambda *a: qkrope.fused_qk_norm_rope_paged(*a, **kwargs),
+                        fullgraph=True)(*args)
+    for o, r in zip(out, ref):
+        assert (o == r).float().mean() > 0.99
+    assert torch.equal(args[4].view(torch.uint8), kc_ref.view(torch.uint8))
+    assert torch.equal(args[5].view(torch.uint8), vc_ref.view(torch.uint8))
+
+
+def test_paged_opcheck():
+    from test_paged import PCase, make
+
+    # bf16 caches: opcheck's mutation check has no CPU kernels for float8 tensors.
+    args, _ = make(PCase(seed=8, style="gptj", rotary_dim=32))
+    outs = (torch.empty_like(args[0]), torch.empty_like(args[1]))
+    torch.library.opcheck(torch.ops.qkrope.qk_norm_rope_paged.default,
+                          (*args, *outs, "NHD", "gptj", 32, 0.0, "weight_fp32", None, None))

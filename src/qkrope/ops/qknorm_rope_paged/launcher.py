@@ -184,7 +184,7 @@ def fused_qk_norm_rope_paged(
     Returns:
         ``(query_rotated [T, Hq, D], key_rotated [T, Hkv, D])``; the caches are written in place.
     """
-    T, Hq, Hkv, D, rot, nb, bs = _check(
+    _, _, Hkv, _, rot, _, _ = _check(
         query, key, value, positions, key_cache, value_cache, slot_mapping, q_norm_weight,
         k_norm_weight, inv_freq, rms_norm_eps, cache_layout, rotary_style, rotary_dim,
         norm_weight_offset, norm_rounding)
@@ -192,32 +192,52 @@ def fused_qk_norm_rope_paged(
     v_sc = _scale_tensor("v_scale", v_scale, value_cache, Hkv, query.device)
     if k_sc is not None and v_sc is not None and k_sc.numel() != v_sc.numel():
         raise ValueError("k_scale and v_scale must both be per-tensor or both per-head")
-    per_head = any(sc is not None and sc.numel() > 1 for sc in (k_sc, v_sc))
     query_out, key_out = outputs_like(query, key, query_out, key_out)
+    if torch.compiler.is_compiling():  # traced: the registered custom op (see registration.py)
+        torch.ops.qkrope.qk_norm_rope_paged(
+            query, key, value, positions, key_cache, value_cache, slot_mapping, q_norm_weight,
+            k_norm_weight, inv_freq, float(rms_norm_eps), query_out, key_out, cache_layout,
+            rotary_style, rot, float(norm_weight_offset), norm_rounding, k_sc, v_sc)
+    else:
+        launch_paged(query, key, value, positions, key_cache, value_cache, slot_mapping,
+                     q_norm_weight, k_norm_weight, inv_freq, rms_norm_eps, query_out, key_out,
+                     cache_layout, rotary_style, rot, norm_weight_offset, norm_rounding, k_sc,
+                     v_sc)
+    return query_out, key_out
 
+
+def launch_paged(query, key, value, positions, key_cache, value_cache, slot_mapping,
+                 q_norm_weight, k_norm_weight, inv_freq, rms_norm_eps, query_out, key_out,
+                 cache_layout, rotary_style, rotary_dim, norm_weight_offset, norm_rounding,
+                 k_scale, v_scale) -> None:
+    """The launch on checked arguments (scales as device tensors or None)."""
+    T, Hq, D = query.shape
+    Hkv = key.shape[1]
+    nb = key_cache.shape[0]
+    bs = key_cache.shape[1] if cache_layout == "NHD" else key_cache.shape[2]
     interpret = interpreting()
     block_h, block_t, num_warps = _tile(T, Hq, Hkv, D, interpret)
     grid = (triton.cdiv(T, block_t), triton.cdiv(Hq, block_h) + triton.cdiv(Hkv, block_h))
     # The cache's (block, offset, head, dim) strides; the layout is nothing more than these.
     kc_s = key_cache.stride() if cache_layout == "NHD" else _hnd(key_cache.stride())
     vc_s = value_cache.stride() if cache_layout == "NHD" else _hnd(value_cache.stride())
+    per_head = any(sc is not None and sc.numel() > 1 for sc in (k_scale, v_scale))
+    unused = inv_freq  # any valid pointer for an absent scale; the kernel never reads it
     with device_of(query):  # Triton launches on the current device
-        unused = inv_freq  # any valid pointer for an absent scale; the kernel never reads it
         qknorm_rope_paged_kernel[grid](
             query, key, value, positions, key_cache, value_cache, slot_mapping,
             q_norm_weight, k_norm_weight, inv_freq, query_out, key_out,
-            unused if k_sc is None else k_sc, unused if v_sc is None else v_sc,
+            unused if k_scale is None else k_scale, unused if v_scale is None else v_scale,
             float(rms_norm_eps), float(norm_weight_offset), T, Hq, Hkv, bs, nb * bs,
             *query.stride(), *key.stride(), *value.stride(), *query_out.stride(),
             *key_out.stride(), *kc_s, *vc_s,
             positions.stride(0), slot_mapping.stride(0), q_norm_weight.stride(0),
             k_norm_weight.stride(0), inv_freq.stride(0),
-            D=D, ROT=rot, GPTJ=rotary_style == "gptj", HF_NORM=norm_rounding == "hf",
-            BLOCK_H=block_h, BLOCK_T=block_t, K_SCALED=k_sc is not None,
-            V_SCALED=v_sc is not None, PER_HEAD_SCALE=per_head,
+            D=D, ROT=rotary_dim, GPTJ=rotary_style == "gptj", HF_NORM=norm_rounding == "hf",
+            BLOCK_H=block_h, BLOCK_T=block_t, K_SCALED=k_scale is not None,
+            V_SCALED=v_scale is not None, PER_HEAD_SCALE=per_head,
             INTERPRETER=interpret, num_warps=num_warps, enable_fp_fusion=False,
         )
-    return query_out, key_out
 
 
 def _hnd(stride):
