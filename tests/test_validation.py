@@ -106,3 +106,10 @@ def test_out_of_range_rows_skipped_or_raised(row):
 def test_bad_norm_rounding():
     with pytest.raises(ValueError, match="norm_rounding must be one of"):
         call(args_with(), norm_rounding="HF")
+
+
+def test_batch_beyond_the_launch_grid_is_refused():
+    q = torch.empty(65536, 1, 1, 64).bfloat16().expand(65536, 1, 1, 64)
+    args = args_with()
+    with pytest.raises(ValueError, match="batch must be <= 65535"):
+        call([q, *args[1:]])

@@ -73,6 +73,9 @@ def check_inputs(
     if B < 1 or S < 1 or Hq < 1 or Hkv < 1:
         raise ValueError(f"query/key must be non-empty, got query {list(query.shape)}, "
                          f"key {list(key.shape)}")
+    if B > 65535:  # the batch is the launch grid's z dimension
+        raise ValueError(f"query batch must be <= 65535, got {B}; split the batch or use "
+                         "qkrope.fused_qk_norm_rope_paged (token-major)")
     if Hq % Hkv:
         raise ValueError(f"query heads ({Hq}) must be a multiple of key heads ({Hkv})")
     _shape("key", key, (B, Hkv, S, D), "[B, Hkv, S, D] matching query's B, S, D")
