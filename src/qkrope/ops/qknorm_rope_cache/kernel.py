@@ -62,6 +62,14 @@ def _rope_cos_sin(
     """[BLOCK_S, HALF] cos/sin as fp32 holding values rounded to ``OUT_DTYPE`` (SPEC step 2)."""
     pos = tl.load(pos_ptr + b.to(tl.int64) * stride_pos_b + s_idx.to(tl.int64) * stride_pos_s,
                   mask=s_mask, other=0)
+    return _cos_sin_at(pos, inv_freq_ptr, stride_inv_freq, OUT_DTYPE, HALF, INTERPRETER, TRIG)
+
+
+@triton.jit
+def _cos_sin_at(pos, inv_freq_ptr, stride_inv_freq, OUT_DTYPE: tl.constexpr, HALF: tl.constexpr,
+                INTERPRETER: tl.constexpr, TRIG: tl.constexpr):
+    """cos/sin of ``float32(pos)[:, None] * inv_freq[None, :]`` for integer positions [N]
+    -> [N, HALF]."""
     inv = tl.load(inv_freq_ptr + tl.arange(0, HALF) * stride_inv_freq).to(tl.float32)
     angle = pos.to(tl.float32)[:, None] * inv[None, :]
     if INTERPRETER or TRIG == 1:  # TRIG: experiment hook (0 = accurate; 1, 2 = cost probes)
@@ -88,16 +96,19 @@ def _load_halves(x_ptr, x_off, x_half_step, mask, EVICTION: tl.constexpr):
 
 @triton.jit
 def _norm_rope(x1, x2, w_ptr, stride_w, cos, sin, eps, DT: tl.constexpr, HALF: tl.constexpr,
-               INTERPRETER: tl.constexpr, HF_NORM: tl.constexpr):
+               INTERPRETER: tl.constexpr, HF_NORM: tl.constexpr, W_OFFSET: tl.constexpr = 0.0):
     """RMSNorm + NeoX rotation of the two halves of a tile of rows; returns both halves in DT.
 
     Rounding points follow SPEC §1: one rounding after the fp32 weight multiply (or, with
     ``HF_NORM``, one before and one after a weight multiply in DT), one after each rotation
-    product and one after each sum.
+    product and one after each sum. ``W_OFFSET``: Gemma-style ``offset + w`` weights (fp32).
     """
     d = tl.arange(0, HALF)
     w1 = tl.load(w_ptr + d * stride_w).to(tl.float32)[None, None, :]
     w2 = tl.load(w_ptr + (d + HALF) * stride_w).to(tl.float32)[None, None, :]
+    if W_OFFSET != 0.0:
+        w1 = w1 + W_OFFSET
+        w2 = w2 + W_OFFSET
     # 1/D is a power of two for every supported head_dim, so this equals torch's sum * (1/D).
     mean_sq = (_row_sum(x1 * x1) + _row_sum(x2 * x2)) * (0.5 / HALF)
     rstd = tl.math.rsqrt(mean_sq + eps)[:, :, None]
