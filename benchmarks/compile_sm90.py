@@ -54,7 +54,7 @@ def compile_tile(block_hq, block_hkv, block_s, num_warps, hf_norm=False):
 def compile_paged(D, rot, gptj, fp8, per_head, block_h, num_warps, hf_norm=False):
     """The paged kernel as Triton would compile it for contiguous bf16 rows, int64 indices."""
     pk = qknorm_rope_paged_kernel
-    const = dict(D=D, ROT=rot, GPTJ=gptj, HF_NORM=hf_norm, BLOCK_H=block_h, BLOCK_T=1,
+    const = dict(D=D, ROT=rot, GPTJ=gptj, HF_NORM=hf_norm, W_OFFSET=0.0, BLOCK_H=block_h, BLOCK_T=1,
                  K_SCALED=fp8, V_SCALED=fp8, PER_HEAD_SCALE=per_head, INTERPRETER=False)
     ptr_types = {"pos_ptr": "*i64", "slot_ptr": "*i64", "inv_freq_ptr": "*fp32",
                  "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
@@ -67,7 +67,7 @@ def compile_paged(D, rot, gptj, fp8, per_head, block_h, num_warps, hf_norm=False
             sig[n] = "constexpr"
         elif n.endswith("_ptr"):
             sig[n] = ptr_types.get(n, "*fp8e4nv" if fp8 and "cache" in n else "*bf16")
-        elif n in ("eps", "w_offset"):
+        elif n == "eps":
             sig[n] = "fp32"
         else:
             sig[n] = "i64" if n.startswith(("stride_kc", "stride_vc")) else "i32"
