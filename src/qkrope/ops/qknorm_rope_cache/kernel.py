@@ -71,7 +71,12 @@ def _cos_sin_at(pos, inv_freq_ptr, stride_inv_freq, OUT_DTYPE: tl.constexpr, HAL
     """cos/sin of ``float32(pos)[:, None] * inv_freq[None, :]`` for integer positions [N]
     -> [N, HALF]."""
     inv = tl.load(inv_freq_ptr + tl.arange(0, HALF) * stride_inv_freq).to(tl.float32)
-    angle = pos.to(tl.float32)[:, None] * inv[None, :]
+    return _cos_sin(pos.to(tl.float32)[:, None] * inv[None, :], OUT_DTYPE, INTERPRETER, TRIG)
+
+
+@triton.jit
+def _cos_sin(angle, OUT_DTYPE: tl.constexpr, INTERPRETER: tl.constexpr, TRIG: tl.constexpr):
+    """cos/sin of fp32 angles, as fp32 holding values rounded to ``OUT_DTYPE``."""
     if INTERPRETER or TRIG == 1:  # TRIG: experiment hook (0 = accurate; 1, 2 = cost probes)
         cos = tl.cos(angle)
         sin = tl.sin(angle)

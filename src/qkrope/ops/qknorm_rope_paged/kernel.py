@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
-from ..qknorm_rope_cache.kernel import _cos_sin_at, _load_halves, _norm_rope, _round, _row_sum
+from ..qknorm_rope_cache.kernel import (
+    _cos_sin, _cos_sin_at, _load_halves, _norm_rope, _round, _row_sum,
+)
 
 
 @triton.jit
@@ -65,14 +66,7 @@ def _rotate_dims(x, x_ptr, row_off, stride_d, mask, d, w_ptr, stride_w, rstd, po
         n_p = _round(wp * (xp * rstd), DT, INTERPRETER)
     inv = tl.load(inv_freq_ptr + freq * stride_inv_freq).to(tl.float32)
     angle = pos.to(tl.float32)[None, :, None] * inv[None, None, :]
-    if INTERPRETER:
-        cos = tl.cos(angle)
-        sin = tl.sin(angle)
-    else:  # full range reduction: angles reach 2**18 rad
-        cos = libdevice.cos(angle)
-        sin = libdevice.sin(angle)
-    cos = _round(cos, DT, INTERPRETER)
-    sin = _round(sin, DT, INTERPRETER)
+    cos, sin = _cos_sin(angle, DT, INTERPRETER, 0)
     out = _round(n * cos, DT, INTERPRETER) + sign[None, None, :] * _round(n_p * sin, DT,
                                                                           INTERPRETER)
     # Exact once rounded: the interpreter's truncating cast is safe.
