@@ -6,6 +6,7 @@ import pytest
 import torch
 from helpers import Case, make_inputs
 
+from qkrope.ops import _direct_launch
 from qkrope.ops.qknorm_rope_cache import launcher
 from qkrope.ops.qknorm_rope_cache.kernel import qknorm_rope_cache_kernel
 
@@ -43,10 +44,11 @@ class FakeJit:
 def fake(monkeypatch):
     jit = FakeJit()
     monkeypatch.setattr(launcher, "qknorm_rope_cache_kernel", jit)
-    monkeypatch.setattr(launcher, "_fast_path_ok", lambda: True)
-    monkeypatch.setattr(launcher, "_raw_stream", lambda index: 1234)
-    monkeypatch.setattr(launcher, "_current_device", lambda: -1)  # CPU tensors' get_device()
-    monkeypatch.setattr(launcher, "_PLANS", {})
+    monkeypatch.setattr(_direct_launch, "fast_path_ok", lambda: True)
+    monkeypatch.setattr(launcher, "fast_path_ok", lambda: True)
+    monkeypatch.setattr(_direct_launch, "raw_stream", lambda index: 1234)
+    monkeypatch.setattr(_direct_launch, "current_device", lambda: -1)  # CPU get_device()
+    monkeypatch.setattr(launcher, "_PLANS", _direct_launch.PlanCache())
     return jit
 
 
@@ -111,6 +113,63 @@ def test_direct_launch_makes_the_tensors_device_current(fake, monkeypatch):
     args = make_inputs(Case(S=2))
     launcher.fused_rope_with_qk_norm_and_kv_cache_update(*args)
     monkeypatch.setattr(torch.cuda, "device", FakeDevice)
-    monkeypatch.setattr(launcher, "_current_device", lambda: 7)  # another device is current
+    monkeypatch.setattr(_direct_launch, "current_device", lambda: 7)  # another device current
     launcher.fused_rope_with_qk_norm_and_kv_cache_update(*args)
     assert entered == [args[0].get_device()] and len(fake.compiled.runs) == 1
+
+
+@pytest.fixture
+def fake_paged(monkeypatch):
+    from qkrope.ops.qknorm_rope_paged import launcher as paged
+    from qkrope.ops.qknorm_rope_paged.kernel import qknorm_rope_paged_kernel
+
+    jit = FakeJit()
+    jit.arg_names = qknorm_rope_paged_kernel.arg_names
+    monkeypatch.setattr(paged, "qknorm_rope_paged_kernel", jit)
+    monkeypatch.setattr(_direct_launch, "fast_path_ok", lambda: True)
+    monkeypatch.setattr(paged, "fast_path_ok", lambda: True)
+    monkeypatch.setattr(_direct_launch, "raw_stream", lambda index: 1234)
+    monkeypatch.setattr(_direct_launch, "current_device", lambda: -1)
+    monkeypatch.setattr(paged, "_PLANS", _direct_launch.PlanCache())
+    return paged, jit
+
+
+@pytest.mark.parametrize("fp8, per_head", [(False, False), (True, False), (True, True)])
+def test_paged_direct_launch_passes_what_triton_got(fake_paged, fp8, per_head):
+    from test_paged import PCase, make
+
+    paged, jit = fake_paged
+    args, kwargs = make(PCase(cache_dtype=torch.float8_e4m3fn if fp8 else None,
+                              per_head_scale=per_head, style="gptj", rotary_dim=32))
+    q_out, k_out = torch.empty_like(args[0]), torch.empty_like(args[1])
+    for _ in range(2):
+        paged.fused_qk_norm_rope_paged(*args, **kwargs, query_out=q_out, key_out=k_out)
+    assert len(jit.launches) == 1 and len(jit.compiled.runs) == 1
+    grid, triton_args, meta = jit.launches[0]
+    run = jit.compiled.runs[0]
+    assert len(grid) == 2 and run[:3] == (*grid, 1)  # a 2-D grid, padded for the launcher
+    assert run[3:9] == (1234, "function-handle", "packed-metadata", None, None, None)
+    constexprs = tuple(meta[n] for n in jit.arg_names[len(triton_args):])
+    for name, a, b in zip(jit.arg_names, run[9:], (*triton_args, *constexprs), strict=True):
+        same = a is b or (isinstance(a, torch.Tensor) and a.data_ptr() == b.data_ptr()
+                          and a.shape == b.shape) or a == b
+        assert same, f"argument {name}: direct {a!r} != Triton's {b!r}"
+
+
+def test_paged_signature_tracks_scales_and_options(fake_paged):
+    from test_paged import PCase, make
+
+    paged, jit = fake_paged
+    args, kwargs = make(PCase(cache_dtype=torch.float8_e4m3fn))
+    call = paged.fused_qk_norm_rope_paged
+    call(*args, **kwargs)
+    call(*args, **kwargs)
+    assert len(jit.launches) == 1
+    call(*args, **{**kwargs, "k_scale": 0.5})          # another float scale: another signature
+    call(*args, **{**kwargs, "k_scale": 1})            # an int scale works like 1.0
+    call(*args, **{**kwargs, "k_scale": 1.0})
+    assert len(jit.launches) == 3 and len(jit.compiled.runs) == 2
+    with pytest.raises(TypeError, match="k_scale"):
+        call(*args, **{**kwargs, "k_scale": "0.5"})
+    call(*args, **{**kwargs, "rotary_style": "gptj"})  # options are part of the signature
+    assert len(jit.launches) == 4

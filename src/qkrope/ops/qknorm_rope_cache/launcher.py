@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import numbers
@@ -12,10 +11,12 @@ import torch
 import triton
 
 from ..._interpret import interpreting
+from .._direct_launch import PlanCache, device_of, fast_path_ok, signature
 from .kernel import qknorm_rope_cache_kernel
 from .reference import valid_cache_rows
 
-__all__ = ["fused_rope_with_qk_norm_and_kv_cache_update", "check_inputs", "TileConfig", "pick_config"]
+__all__ = ["fused_rope_with_qk_norm_and_kv_cache_update", "check_inputs", "TileConfig",
+           "pick_config"]
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16)
@@ -120,14 +121,20 @@ def _check_out(name: str, out: torch.Tensor, like: torch.Tensor) -> torch.Tensor
 
 def outputs_like(query: torch.Tensor, key: torch.Tensor, query_out, key_out):
     """The caller's checked ``query_out``/``key_out``, or new contiguous ones like q and k."""
+    if query_out is not None:
+        _check_out("query_out", query_out, query)
+    if key_out is not None:
+        _check_out("key_out", key_out, key)
+    return new_outputs(query, key, query_out, key_out)
+
+
+def new_outputs(query: torch.Tensor, key: torch.Tensor, query_out, key_out):
+    """Outputs not given are allocated contiguous, like q and k (``empty_like`` parses fewer
+    arguments than ``empty``: it matters on the direct path, whose signature fixed the checks)."""
     if query_out is None:
         query_out = torch.empty_like(query, memory_format=torch.contiguous_format)
-    else:
-        _check_out("query_out", query_out, query)
     if key_out is None:
         key_out = torch.empty_like(key, memory_format=torch.contiguous_format)
-    else:
-        _check_out("key_out", key_out, key)
     return query_out, key_out
 
 
@@ -250,15 +257,12 @@ def fused_rope_with_qk_norm_and_kv_cache_update(
     hf_norm = norm_rounding == "hf"
     if not hf_norm and norm_rounding != "weight_fp32":
         raise ValueError(f"norm_rounding must be one of {NORM_ROUNDINGS}, got {norm_rounding!r}")
-    plan = _PLANS.get(_plan_key(tensors, query_out, key_out, hf_norm)) if _fast_path_ok() else None
+    plan = (_PLANS.get(signature(hf_norm, (*tensors, query_out, key_out)))
+            if fast_path_ok() else None)
     if plan is None or type(rms_norm_eps) is not float or not 0.0 <= rms_norm_eps < math.inf:
         return _checked_call(tensors, rms_norm_eps, query_out, key_out, hf_norm)
-    # The signature fixed these outputs' checks; empty_like parses fewer arguments than empty.
-    if query_out is None:
-        query_out = torch.empty_like(query, memory_format=torch.contiguous_format)
-    if key_out is None:
-        key_out = torch.empty_like(key, memory_format=torch.contiguous_format)
-    plan.launch(tensors, query_out, key_out, rms_norm_eps)
+    query_out, key_out = new_outputs(query, key, query_out, key_out)
+    plan.launch(*tensors, query_out, key_out, rms_norm_eps)
     return query_out, key_out, key_cache, value_cache
 
 
@@ -307,65 +311,7 @@ def launch(query, key, value, position_ids, key_cache, value_cache, cache_positi
     return qknorm_rope_cache_kernel[grid](*args, **meta)
 
 
-class _Plan(NamedTuple):
-    """A compiled kernel bound to one argument signature (shapes, strides, dtypes, devices,
-    pointer alignment): everything Triton specializes on is fixed by that signature, so the
-    compiled kernel can be launched directly, skipping argument checks and Triton's binder."""
-
-    kernel: object               # triton CompiledKernel
-    grid: tuple[int, int, int]
-    tail: tuple                  # the launch arguments after rms_norm_eps, constexprs included
-    device_index: int
-
-    def launch(self, tensors, query_out, key_out, eps: float) -> None:
-        if _current_device() == self.device_index:
-            self._run(tensors, query_out, key_out, eps)
-        else:  # a launch goes to the current device: make the tensors' device current
-            with torch.cuda.device(self.device_index):
-                self._run(tensors, query_out, key_out, eps)
-
-    def _run(self, tensors, query_out, key_out, eps: float) -> None:
-        k = self.kernel
-        k.run(*self.grid, _raw_stream(self.device_index), k.function, k.packed_metadata, None,
-              None, None, *tensors, query_out, key_out, eps, *self.tail)
-
-
-# The raw handle of the current stream, as Triton's own launcher gets it (a tenth of the cost of
-# building a torch.cuda.Stream object per call); the public route where it is missing.
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream",
-                      lambda index: torch.cuda.current_stream(index).cuda_stream)
-_current_device = torch.cuda.current_device
-
-
-def device_of(t: torch.Tensor):
-    """Context that makes ``t``'s GPU current (Triton launches on the current device), or a
-    no-op off CUDA."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
-
-
-_PLANS: dict[tuple, _Plan] = {}
-
-
-def _fast_path_ok() -> bool:
-    # Launch hooks (e.g. Triton's profiler) only run on Triton's normal path. Triton 3.6 keeps
-    # an (empty) HookChain there rather than None.
-    hook = triton.knobs.runtime.launch_enter_hook
-    return not interpreting() and (hook is None or not getattr(hook, "calls", True))
-
-
-def _plan_key(tensors, query_out, key_out, hf_norm: bool) -> tuple | None:
-    """Everything the checks and Triton's specialization depend on; None for a non-tensor
-    argument (the checked path then raises the proper error)."""
-    key = [hf_norm]
-    try:
-        for t in (*tensors, query_out, key_out):
-            if t is None:
-                key.append(None)
-            else:
-                key += (t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() % 16 == 0)
-    except AttributeError:
-        return None
-    return tuple(key)
+_PLANS = PlanCache()
 
 
 def _checked_call(tensors, rms_norm_eps, query_out, key_out, hf_norm: bool):
@@ -374,14 +320,13 @@ def _checked_call(tensors, rms_norm_eps, query_out, key_out, hf_norm: bool):
     (query, key, value, position_ids, key_cache, value_cache, cache_position,
      q_norm_weight, k_norm_weight, inv_freq) = tensors
     B, Hq, Hkv, S, D, L = check_inputs(*tensors, rms_norm_eps)
-    plan_key = _plan_key(tensors, query_out, key_out, hf_norm)
+    key_of_call = signature(hf_norm, (*tensors, query_out, key_out))
     query_out, key_out = outputs_like(query, key, query_out, key_out)
     cfg = pick_config(B, Hq, Hkv, S, D, interpreting())
     grid, args, meta = _kernel_args(*tensors, rms_norm_eps, query_out, key_out, cfg, hf_norm)
     with device_of(query):
         compiled = qknorm_rope_cache_kernel[grid](*args, **meta)
-    if _fast_path_ok() and hasattr(compiled, "run") and len(_PLANS) < 4096:
-        names = qknorm_rope_cache_kernel.arg_names
-        tail = (*args[13:], *(meta[n] for n in names[len(args):]))  # constexprs, in order
-        _PLANS[plan_key] = _Plan(compiled, grid, tail, query.get_device())
+    # Per call: the ten input tensors, both outputs and rms_norm_eps; the rest is fixed.
+    _PLANS.remember(key_of_call, qknorm_rope_cache_kernel, compiled, grid, args, meta, 13,
+                    query.get_device())
     return query_out, key_out, key_cache, value_cache

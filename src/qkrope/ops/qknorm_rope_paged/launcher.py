@@ -10,8 +10,9 @@ import torch
 import triton
 
 from ..._interpret import interpreting
+from .._direct_launch import PlanCache, device_of, fast_path_ok, signature
 from ..qknorm_rope_cache.launcher import (
-    ACTIVATION_DTYPES, INDEX_DTYPES, NORM_ROUNDINGS, _shape, _tensor, device_of, outputs_like,
+    ACTIVATION_DTYPES, INDEX_DTYPES, NORM_ROUNDINGS, _shape, _tensor, new_outputs, outputs_like,
 )
 from .kernel import qknorm_rope_paged_kernel
 from .reference import FP8_MAX
@@ -184,33 +185,64 @@ def fused_qk_norm_rope_paged(
     Returns:
         ``(query_rotated [T, Hq, D], key_rotated [T, Hkv, D])``; the caches are written in place.
     """
-    _, _, Hkv, _, rot, _, _ = _check(
-        query, key, value, positions, key_cache, value_cache, slot_mapping, q_norm_weight,
-        k_norm_weight, inv_freq, rms_norm_eps, cache_layout, rotary_style, rotary_dim,
-        norm_weight_offset, norm_rounding)
-    k_sc = _scale_tensor("k_scale", k_scale, key_cache, Hkv, query.device)
-    v_sc = _scale_tensor("v_scale", v_scale, value_cache, Hkv, query.device)
+    tensors = (query, key, value, positions, key_cache, value_cache, slot_mapping, q_norm_weight,
+               k_norm_weight, inv_freq)
+    compiling = torch.compiler.is_compiling()
+    scales = tuple(float(s) if isinstance(s, numbers.Real) and not isinstance(s, bool) else s
+                   for s in (k_scale, v_scale))
+    # The signature: Python-float scales among the options, scale tensors among the tensors.
+    key_of_call = None
+    if not compiling and all(s is None or isinstance(s, (float, torch.Tensor)) for s in scales):
+        key_of_call = signature(
+            (cache_layout, rotary_style, rotary_dim, norm_weight_offset, norm_rounding,
+             *(s if isinstance(s, float) else None for s in scales)),
+            (*tensors, query_out, key_out,
+             *(s if isinstance(s, torch.Tensor) else None for s in scales)))
+    plan = _PLANS.get(key_of_call) if key_of_call is not None and fast_path_ok() else None
+    if plan is not None and type(rms_norm_eps) is float and 0.0 <= rms_norm_eps < math.inf:
+        query_out, key_out = new_outputs(query, key, query_out, key_out)
+        plan.launch(*tensors, query_out, key_out,
+                    *(inv_freq if s is None else _device_scale(s, query.device) for s in scales),
+                    rms_norm_eps)
+        return query_out, key_out
+
+    _, _, Hkv, _, rot, _, _ = _check(*tensors, rms_norm_eps, cache_layout, rotary_style,
+                                     rotary_dim, norm_weight_offset, norm_rounding)
+    k_sc = _scale_tensor("k_scale", scales[0], key_cache, Hkv, query.device)
+    v_sc = _scale_tensor("v_scale", scales[1], value_cache, Hkv, query.device)
     if k_sc is not None and v_sc is not None and k_sc.numel() != v_sc.numel():
         raise ValueError("k_scale and v_scale must both be per-tensor or both per-head")
     query_out, key_out = outputs_like(query, key, query_out, key_out)
-    if torch.compiler.is_compiling():  # traced: the registered custom op (see registration.py)
+    if compiling:  # traced: the registered custom op (see registration.py)
         torch.ops.qkrope.qk_norm_rope_paged(
-            query, key, value, positions, key_cache, value_cache, slot_mapping, q_norm_weight,
-            k_norm_weight, inv_freq, float(rms_norm_eps), query_out, key_out, cache_layout,
-            rotary_style, rot, float(norm_weight_offset), norm_rounding, k_sc, v_sc)
+            *tensors, float(rms_norm_eps), query_out, key_out, cache_layout, rotary_style, rot,
+            float(norm_weight_offset), norm_rounding, k_sc, v_sc)
     else:
-        launch_paged(query, key, value, positions, key_cache, value_cache, slot_mapping,
-                     q_norm_weight, k_norm_weight, inv_freq, rms_norm_eps, query_out, key_out,
-                     cache_layout, rotary_style, rot, norm_weight_offset, norm_rounding, k_sc,
-                     v_sc)
+        grid, args, meta, compiled = launch_paged(
+            *tensors, rms_norm_eps, query_out, key_out, cache_layout, rotary_style, rot,
+            norm_weight_offset, norm_rounding, k_sc, v_sc)
+        # Per call: 10 input tensors, 2 outputs, 2 scale pointers and rms_norm_eps.
+        _PLANS.remember(key_of_call, qknorm_rope_paged_kernel, compiled, grid, args, meta, 15,
+                        query.get_device())
     return query_out, key_out
+
+
+_PLANS = PlanCache()
+
+
+def _device_scale(scale, device) -> torch.Tensor:
+    """The kernel's view of an FP8 scale already checked for this signature."""
+    if isinstance(scale, float):
+        return _scalar_on(scale, device)
+    return scale.reshape(-1).contiguous()
 
 
 def launch_paged(query, key, value, positions, key_cache, value_cache, slot_mapping,
                  q_norm_weight, k_norm_weight, inv_freq, rms_norm_eps, query_out, key_out,
                  cache_layout, rotary_style, rotary_dim, norm_weight_offset, norm_rounding,
-                 k_scale, v_scale) -> None:
-    """The launch on checked arguments (scales as device tensors or None)."""
+                 k_scale, v_scale):
+    """Launch through Triton on checked arguments (scales as device tensors or None); returns
+    ``(grid, args, meta, compiled kernel)`` for the direct-launch cache."""
     T, Hq, D = query.shape
     Hkv = key.shape[1]
     nb = key_cache.shape[0]
@@ -223,22 +255,24 @@ def launch_paged(query, key, value, positions, key_cache, value_cache, slot_mapp
     vc_s = value_cache.stride() if cache_layout == "NHD" else _hnd(value_cache.stride())
     per_head = any(sc is not None and sc.numel() > 1 for sc in (k_scale, v_scale))
     unused = inv_freq  # any valid pointer for an absent scale; the kernel never reads it
+    args = [
+        query, key, value, positions, key_cache, value_cache, slot_mapping,
+        q_norm_weight, k_norm_weight, inv_freq, query_out, key_out,
+        unused if k_scale is None else k_scale, unused if v_scale is None else v_scale,
+        float(rms_norm_eps), T, Hq, Hkv, bs, nb * bs,
+        *query.stride(), *key.stride(), *value.stride(), *query_out.stride(),
+        *key_out.stride(), *kc_s, *vc_s,
+        positions.stride(0), slot_mapping.stride(0), q_norm_weight.stride(0),
+        k_norm_weight.stride(0), inv_freq.stride(0),
+    ]
+    meta = dict(D=D, ROT=rotary_dim, GPTJ=rotary_style == "gptj", HF_NORM=norm_rounding == "hf",
+                W_OFFSET=float(norm_weight_offset), BLOCK_H=block_h, BLOCK_T=block_t,
+                K_SCALED=k_scale is not None, V_SCALED=v_scale is not None,
+                PER_HEAD_SCALE=per_head, INTERPRETER=interpret, num_warps=num_warps,
+                enable_fp_fusion=False)
     with device_of(query):  # Triton launches on the current device
-        qknorm_rope_paged_kernel[grid](
-            query, key, value, positions, key_cache, value_cache, slot_mapping,
-            q_norm_weight, k_norm_weight, inv_freq, query_out, key_out,
-            unused if k_scale is None else k_scale, unused if v_scale is None else v_scale,
-            float(rms_norm_eps), T, Hq, Hkv, bs, nb * bs,
-            *query.stride(), *key.stride(), *value.stride(), *query_out.stride(),
-            *key_out.stride(), *kc_s, *vc_s,
-            positions.stride(0), slot_mapping.stride(0), q_norm_weight.stride(0),
-            k_norm_weight.stride(0), inv_freq.stride(0),
-            D=D, ROT=rotary_dim, GPTJ=rotary_style == "gptj", HF_NORM=norm_rounding == "hf",
-            W_OFFSET=float(norm_weight_offset),
-            BLOCK_H=block_h, BLOCK_T=block_t, K_SCALED=k_scale is not None,
-            V_SCALED=v_scale is not None, PER_HEAD_SCALE=per_head,
-            INTERPRETER=interpret, num_warps=num_warps, enable_fp_fusion=False,
-        )
+        compiled = qknorm_rope_paged_kernel[grid](*args, **meta)
+    return grid, args, meta, compiled
 
 
 def _hnd(stride):

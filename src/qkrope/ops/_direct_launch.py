@@ -1,0 +1,99 @@
+"""Cached direct launches of compiled Triton kernels: the eager fast path of every op.
+
+Triton's own launch path re-binds and re-specialises every argument on every call (~100 µs per
+call for the ops' 50-60 arguments on the H200 test host). An op that has checked a call and
+launched it through Triton remembers the compiled kernel under the call's *signature*: every
+tensor's shape, strides, dtype, device and 16-byte alignment plus the op's static options.
+Everything Triton specialises on (integer values equal to 1 or divisible by 16, pointer
+alignment, dtypes) and everything the op's checks look at is a function of that signature, so a
+later call with the same signature skips both and launches the compiled kernel directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import triton
+
+from .._interpret import interpreting
+
+__all__ = ["Plan", "PlanCache", "signature", "fast_path_ok", "device_of"]
+
+# The raw handle of the current stream, as Triton's own launcher gets it (a tenth of the cost of
+# building a torch.cuda.Stream object per call); the public route where it is missing.
+raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream",
+                     lambda index: torch.cuda.current_stream(index).cuda_stream)
+current_device = torch.cuda.current_device
+
+
+def device_of(t: torch.Tensor):
+    """Context that makes ``t``'s GPU current (Triton launches on the current device), or a
+    no-op off CUDA."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def fast_path_ok() -> bool:
+    """Direct launches skip Triton's launch hooks (e.g. its profiler), so they are used only
+    when none is installed (Triton 3.6 keeps an empty HookChain there rather than None), and
+    never in the interpreter."""
+    hook = triton.knobs.runtime.launch_enter_hook
+    return not interpreting() and (hook is None or not getattr(hook, "calls", True))
+
+
+def signature(options: tuple, tensors: Sequence) -> tuple | None:
+    """``options`` plus (shape, strides, dtype, device, 16 B aligned) of each tensor (None kept
+    as None); None when an argument is not a tensor (the checked path then raises its error)."""
+    key = [options]
+    try:
+        for t in tensors:
+            if t is None:
+                key.append(None)
+            else:
+                key += (t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() % 16 == 0)
+    except AttributeError:
+        return None
+    return tuple(key)
+
+
+class Plan(NamedTuple):
+    """A compiled kernel bound to one signature: launch it with the per-call arguments (the
+    tensors and the runtime scalars before ``tail``)."""
+
+    kernel: object               # triton CompiledKernel
+    grid: tuple[int, int, int]
+    tail: tuple                  # the remaining launch arguments, constexprs included
+    device_index: int
+
+    def launch(self, *head) -> None:
+        if current_device() == self.device_index:
+            self._run(head)
+        else:  # a launch goes to the current device: make the tensors' device current
+            with torch.cuda.device(self.device_index):
+                self._run(head)
+
+    def _run(self, head) -> None:
+        k = self.kernel
+        k.run(*self.grid, raw_stream(self.device_index), k.function, k.packed_metadata, None,
+              None, None, *head, *self.tail)
+
+
+class PlanCache(dict):
+    """Signature -> :class:`Plan` for one @triton.jit kernel (bounded)."""
+
+    MAX_PLANS = 4096
+
+    def remember(self, key, jit_fn, compiled, grid, args: list, meta: dict, n_head: int,
+                 device_index: int) -> None:
+        """After a launch through Triton (``jit_fn[grid](*args, **meta)`` returned
+        ``compiled``), keep it for ``key``; the first ``n_head`` args vary per call."""
+        if key is None or not fast_path_ok() or not hasattr(compiled, "run"):
+            return
+        if len(self) >= self.MAX_PLANS:
+            self.clear()
+        # Constexpr parameters are passed too, in parameter order, after the runtime ones.
+        constexprs = (meta[n] for n in jit_fn.arg_names[len(args):])
+        grid = (*grid, 1, 1)[:3]  # the launcher takes all three grid dimensions
+        self[key] = Plan(compiled, grid, (*args[n_head:], *constexprs), device_index)
