@@ -85,11 +85,25 @@ class PlanCache(dict):
 
     MAX_PLANS = 4096
 
+    def find(self, key) -> Plan | None:
+        """The plan for ``key``; None for no key or an unhashable option (the checked path then
+        reports the bad argument)."""
+        if key is None:
+            return None
+        try:
+            return self.get(key)
+        except TypeError:
+            return None
+
     def remember(self, key, jit_fn, compiled, grid, args: list, meta: dict, n_head: int,
                  device_index: int) -> None:
         """After a launch through Triton (``jit_fn[grid](*args, **meta)`` returned
         ``compiled``), keep it for ``key``; the first ``n_head`` args vary per call."""
         if key is None or not fast_path_ok() or not hasattr(compiled, "run"):
+            return
+        try:
+            hash(key)
+        except TypeError:
             return
         if len(self) >= self.MAX_PLANS:
             self.clear()

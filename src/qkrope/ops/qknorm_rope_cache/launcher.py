@@ -257,7 +257,7 @@ def fused_rope_with_qk_norm_and_kv_cache_update(
     hf_norm = norm_rounding == "hf"
     if not hf_norm and norm_rounding != "weight_fp32":
         raise ValueError(f"norm_rounding must be one of {NORM_ROUNDINGS}, got {norm_rounding!r}")
-    plan = (_PLANS.get(signature(hf_norm, (*tensors, query_out, key_out)))
+    plan = (_PLANS.find(signature(hf_norm, (*tensors, query_out, key_out)))
             if fast_path_ok() else None)
     if plan is None or type(rms_norm_eps) is not float or not 0.0 <= rms_norm_eps < math.inf:
         return _checked_call(tensors, rms_norm_eps, query_out, key_out, hf_norm)

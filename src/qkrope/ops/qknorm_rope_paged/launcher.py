@@ -198,7 +198,7 @@ def fused_qk_norm_rope_paged(
              *(s if isinstance(s, float) else None for s in scales)),
             (*tensors, query_out, key_out,
              *(s if isinstance(s, torch.Tensor) else None for s in scales)))
-    plan = _PLANS.get(key_of_call) if key_of_call is not None and fast_path_ok() else None
+    plan = _PLANS.find(key_of_call) if fast_path_ok() else None
     if plan is not None and type(rms_norm_eps) is float and 0.0 <= rms_norm_eps < math.inf:
         query_out, key_out = new_outputs(query, key, query_out, key_out)
         plan.launch(*tensors, query_out, key_out,
