@@ -359,11 +359,17 @@ def write_plot(report: BenchReport, path: str) -> None:
     if not report.timed:
         raise RuntimeError("--plot needs timings, and timing needs a CUDA GPU")
     ws = sorted(report.workloads, key=lambda w: (w.tokens, w.batch))
+    # Decode batches (S = 1, B > 1) and the rest are separate series: at equal token counts they
+    # are different problems, and one line through both would zig-zag.
+    series = [("", [w for w in ws if not (w.seq_len == 1 and w.batch > 1)], "-"),
+              (" (decode batches)", [w for w in ws if w.seq_len == 1 and w.batch > 1], ":")]
     fig, ax = plt.subplots(figsize=(8, 5.5))
-    for n in report.impls:
-        pts = [(w.tokens, w.impls[n].median_us) for w in ws if w.impls[n].median_us]
-        if pts:
-            ax.plot(*zip(*pts), marker="o", ms=4, label=n)
+    for i, n in enumerate(report.impls):
+        color = f"C{i}"
+        for suffix, group, style in series:
+            pts = [(w.tokens, w.impls[n].median_us) for w in group if w.impls[n].median_us]
+            if pts:
+                ax.plot(*zip(*pts), style, marker="o", ms=4, color=color, label=n + suffix)
     ax.plot([w.tokens for w in ws], [w.floor_us for w in ws], "k--", lw=1,
             label=f"floor (bytes / {report.copy_bandwidth / 1e12:.2f} TB/s copy)")
     ax.set_xscale("log", base=2)
