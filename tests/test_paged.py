@@ -6,6 +6,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 from helpers import DEVICE
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import qkrope
 from qkrope.ops.qknorm_rope_cache.reference import rms_norm_ref
@@ -249,3 +251,21 @@ def test_packed_entry_point_matches_views():
 ], ids=["nhd-32-8", "hnd-96-8-packed", "fp8-gptj-partial-d256", "d512-gemma"])
 def test_paged_large_shapes(case):
     check(case)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    T=st.integers(3, 24),
+    Hkv=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 3, 4]),
+    D=st.sampled_from([64, 128]),
+    layout=st.sampled_from(["NHD", "HND"]),
+    style=st.sampled_from(["neox", "gptj"]),
+    partial=st.booleans(),
+    packed=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_paged_random_configurations(T, Hkv, group, D, layout, style, partial, packed, seed):
+    check(PCase(T=T, Hq=Hkv * group, Hkv=Hkv, D=D, layout=layout, style=style,
+                rotary_dim=D // 2 if partial else None, packed=packed, seed=seed,
+                num_blocks=(T + 7) // 4 + 1, block_size=4))
