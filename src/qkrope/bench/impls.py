@@ -19,7 +19,8 @@ from ..ops.qknorm_rope_cache.reference import qknorm_rope_cache_ref
 from ..ops.qknorm_rope_paged import fused_qk_norm_rope_paged, qknorm_rope_paged_ref
 from ..suite import make_inputs, make_paged_inputs
 
-__all__ = ["Impl", "IMPLS", "PAGED_IMPLS", "Layout", "LAYOUTS", "resolve_impls"]
+__all__ = ["Impl", "IMPLS", "PAGED_IMPLS", "Layout", "LAYOUTS", "resolve_impls",
+           "with_fresh_caches"]
 
 OpFn = Callable[..., tuple]
 
@@ -136,10 +137,15 @@ class Layout:
     impls: dict[str, Impl]
 
 
-def _paged_reference(args: tuple) -> tuple:
+def with_fresh_caches(args: tuple) -> tuple:
+    """The op arguments with copies of both caches (arguments 4 and 5 in either layout)."""
     args = list(args)
     args[4], args[5] = args[4].clone(), args[5].clone()
-    return _paged_outputs(qknorm_rope_paged_ref)(*args)
+    return tuple(args)
+
+
+def _paged_reference(args: tuple) -> tuple:
+    return _paged_outputs(qknorm_rope_paged_ref)(*with_fresh_caches(args))
 
 
 LAYOUTS: dict[str, Layout] = {

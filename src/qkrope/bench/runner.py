@@ -21,7 +21,7 @@ from .. import __version__
 from ..suite import (
     DEFAULT_MODEL, SUITE, ModelGeometry, Workload, bytes_moved, check_outputs,
 )
-from .impls import LAYOUTS, resolve_impls
+from .impls import LAYOUTS, resolve_impls, with_fresh_caches
 
 __all__ = ["ImplResult", "WorkloadResult", "BenchReport", "run_benchmark", "render_markdown",
            "write_json", "write_plot", "sweep_workloads", "environment"]
@@ -133,12 +133,6 @@ def _check(out, ref, atol) -> ImplResult:
                       max_abs_err=max(c.max_abs_err for c in checks))
 
 
-def _with_fresh_caches(args: tuple) -> tuple:
-    args = list(args)
-    args[4], args[5] = args[4].clone(), args[5].clone()
-    return tuple(args)
-
-
 def run_benchmark(
     workloads: Sequence[Workload] = SUITE,
     geometry: ModelGeometry = DEFAULT_MODEL,
@@ -194,7 +188,7 @@ def run_benchmark(
         ref = lay.reference(args)
         for name, fn in available.items():
             tick(f"{w.name}: {name}")
-            call_args = _with_fresh_caches(args)
+            call_args = with_fresh_caches(args)
             try:
                 res = _check(fn(*call_args), ref, w.atol)
                 if timed:

@@ -303,12 +303,14 @@ def _kernel_args(query, key, value, position_ids, key_cache, value_cache, cache_
 def launch(query, key, value, position_ids, key_cache, value_cache, cache_position,
            q_norm_weight, k_norm_weight, inv_freq, rms_norm_eps, query_out, key_out,
            cfg: TileConfig, hf_norm: bool = False):
-    """Launch through Triton's normal path on already-checked arguments; returns what Triton's
-    launch returns (the compiled kernel on a GPU)."""
+    """Launch through Triton's normal path on already-checked arguments; returns
+    ``(grid, args, meta, compiled kernel)`` (the kernel is None in the interpreter)."""
     grid, args, meta = _kernel_args(query, key, value, position_ids, key_cache, value_cache,
                                     cache_position, q_norm_weight, k_norm_weight, inv_freq,
                                     rms_norm_eps, query_out, key_out, cfg, hf_norm)
-    return qknorm_rope_cache_kernel[grid](*args, **meta)
+    with device_of(query):  # Triton launches on the current device
+        compiled = qknorm_rope_cache_kernel[grid](*args, **meta)
+    return grid, args, meta, compiled
 
 
 _PLANS = PlanCache()
@@ -323,9 +325,7 @@ def _checked_call(tensors, rms_norm_eps, query_out, key_out, hf_norm: bool):
     key_of_call = signature(hf_norm, (*tensors, query_out, key_out))
     query_out, key_out = outputs_like(query, key, query_out, key_out)
     cfg = pick_config(B, Hq, Hkv, S, D, interpreting())
-    grid, args, meta = _kernel_args(*tensors, rms_norm_eps, query_out, key_out, cfg, hf_norm)
-    with device_of(query):
-        compiled = qknorm_rope_cache_kernel[grid](*args, **meta)
+    grid, args, meta, compiled = launch(*tensors, rms_norm_eps, query_out, key_out, cfg, hf_norm)
     # Per call: the ten input tensors, both outputs and rms_norm_eps; the rest is fixed.
     _PLANS.remember(key_of_call, qknorm_rope_cache_kernel, compiled, grid, args, meta, 13,
                     query.get_device())
