@@ -58,7 +58,8 @@ def fake_report(timed=True):
             "eager": ImplResult(True, 1.0, 0.0, 100 * t, 90 * t, 110 * t, 300.0, None),
         }
         ws.append(WorkloadResult(i, w.seq_len, w.cache_len, w.batch, w.atol, w.tokens,
-                                 bytes_moved(w), 1.0 if timed else None, impls))
+                                 bytes_moved(w), 1.0 if timed else None, impls,
+                                 1.5 if timed else None))
     return BenchReport("qwen3-coder-480b", {"num_q_heads": 96, "num_kv_heads": 8,
                                             "head_dim": 128}, timed, 4.25e12 if timed else None,
                        ["qkrope", "eager"], {"liger": "liger-kernel is not installed"},
@@ -71,7 +72,9 @@ def test_render_markdown_table_and_geomean():
     rep = fake_report()
     text = render_markdown(rep)
     assert math.isclose(rep.geomean("qkrope"), (2 * 3 * 6) ** (1 / 3))
-    assert "| 1 | 1 | 0 | 1 | 1 | 1.00 | 2.00 | 1.80–2.20 | 50% | 1% |" in text
+    assert "| 1 | 1 | 0 | 1 | 1 | 1.00 | 1.50 | 2.00 | 1.80–2.20 | 50% | 75% | 1% |" in text
+    assert rep.copy_geomean() == pytest.approx(1.5)
+    assert "copy of the same bytes 1.50" in text
     assert "100.0×" in text and "skipped liger: liger-kernel is not installed" in text
     assert f"qkrope {rep.geomean('qkrope'):.2f}" in text
     assert "`x.add_(1)` takes 10.0 µs" in text

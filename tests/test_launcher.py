@@ -11,17 +11,49 @@ from qkrope.ops.qknorm_rope_cache import launcher
 from qkrope.ops.qknorm_rope_cache.kernel import qknorm_rope_cache_kernel
 
 
+class Recorder:
+    """A callable that records its calls (stands in for a launch function)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, *args):
+        self.calls.append(args)
+
+
+class FakeLauncher:
+    """Stands in for Triton 3.6's CudaLauncher: the direct path calls its C ``launch``."""
+
+    global_scratch_size = profile_scratch_size = 0
+    launch_cooperative_grid = launch_pdl = False
+
+    def __init__(self):
+        self.launch = Recorder()
+
+
 class FakeCompiled:
-    """Stands in for triton's CompiledKernel: records direct launches."""
+    """Stands in for triton's CompiledKernel: records direct launches, either through the C
+    launch function (``c_launch``) or through ``CompiledKernel.run`` (the fallback)."""
 
     function = "function-handle"
     packed_metadata = "packed-metadata"
 
-    def __init__(self):
-        self.runs = []
+    def __init__(self, c_launch=True):
+        self.c_launch = c_launch
+        self.run = FakeLauncher() if c_launch else Recorder()
 
-    def run(self, *args):
-        self.runs.append(args)
+    @property
+    def runs(self):
+        """Each direct launch as ``(grid, stream, kernel arguments)``, after checking the
+        launcher arguments between the stream and the kernel's own."""
+        out = []
+        for call in (self.run.launch if self.c_launch else self.run).calls:
+            middle = ((self.function, False, False, None, None, self.packed_metadata, None,
+                       None, None) if self.c_launch
+                      else (self.function, self.packed_metadata, None, None, None))
+            assert call[4:4 + len(middle)] == middle
+            out.append((call[:3], call[3], call[4 + len(middle):]))
+        return out
 
 
 class FakeJit:
@@ -29,9 +61,9 @@ class FakeJit:
 
     arg_names = qknorm_rope_cache_kernel.arg_names
 
-    def __init__(self):
+    def __init__(self, c_launch=True):
         self.launches = []
-        self.compiled = FakeCompiled()
+        self.compiled = FakeCompiled(c_launch)
 
     def __getitem__(self, grid):
         def launch(*args, **meta):
@@ -40,9 +72,9 @@ class FakeJit:
         return launch
 
 
-@pytest.fixture
-def fake(monkeypatch):
-    jit = FakeJit()
+@pytest.fixture(params=[True, False], ids=["c-launch", "run"])
+def fake(monkeypatch, request):
+    jit = FakeJit(request.param)
     monkeypatch.setattr(launcher, "qknorm_rope_cache_kernel", jit)
     monkeypatch.setattr(_direct_launch, "fast_path_ok", lambda: True)
     monkeypatch.setattr(launcher, "fast_path_ok", lambda: True)
@@ -61,14 +93,19 @@ def test_direct_launch_passes_what_triton_got(fake):
     assert len(fake.launches) == 1 and len(fake.compiled.runs) == 1, "second call not direct"
 
     grid, triton_args, meta = fake.launches[0]
-    run = fake.compiled.runs[0]
-    assert run[:3] == grid and run[3:9] == (1234, "function-handle", "packed-metadata",
-                                            None, None, None)
+    run_grid, stream, direct = fake.compiled.runs[0]
+    assert run_grid == grid and stream == 1234
     constexprs = tuple(meta[n] for n in FakeJit.arg_names[len(triton_args):])
-    direct = run[9:]
-    assert len(direct) == len(FakeJit.arg_names)
-    for name, a, b in zip(FakeJit.arg_names, direct, (*triton_args, *constexprs)):
-        assert a is b or a == b, f"argument {name}: direct {a!r} != Triton's {b!r}"
+    assert_same_arguments(FakeJit.arg_names, direct, (*triton_args, *constexprs))
+
+
+def assert_same_arguments(names, direct, triton_args):
+    """The direct launch passes each tensor as its address and every other argument as is."""
+    for name, a, b in zip(names, direct, triton_args, strict=True):
+        if isinstance(b, torch.Tensor):
+            assert type(a) is int and a == b.data_ptr(), f"argument {name}: {a!r} is not {b}'s address"
+        else:
+            assert type(a) is type(b) and a == b, f"argument {name}: direct {a!r} != Triton's {b!r}"
 
 
 def test_new_signature_takes_the_checked_path(fake):
@@ -118,12 +155,12 @@ def test_direct_launch_makes_the_tensors_device_current(fake, monkeypatch):
     assert entered == [args[0].get_device()] and len(fake.compiled.runs) == 1
 
 
-@pytest.fixture
-def fake_paged(monkeypatch):
+@pytest.fixture(params=[True, False], ids=["c-launch", "run"])
+def fake_paged(monkeypatch, request):
     from qkrope.ops.qknorm_rope_paged import launcher as paged
     from qkrope.ops.qknorm_rope_paged.kernel import qknorm_rope_paged_kernel
 
-    jit = FakeJit()
+    jit = FakeJit(request.param)
     jit.arg_names = qknorm_rope_paged_kernel.arg_names
     monkeypatch.setattr(paged, "qknorm_rope_paged_kernel", jit)
     monkeypatch.setattr(_direct_launch, "fast_path_ok", lambda: True)
@@ -146,14 +183,11 @@ def test_paged_direct_launch_passes_what_triton_got(fake_paged, fp8, per_head):
         paged.fused_qk_norm_rope_paged(*args, **kwargs, query_out=q_out, key_out=k_out)
     assert len(jit.launches) == 1 and len(jit.compiled.runs) == 1
     grid, triton_args, meta = jit.launches[0]
-    run = jit.compiled.runs[0]
-    assert len(grid) == 2 and run[:3] == (*grid, 1)  # a 2-D grid, padded for the launcher
-    assert run[3:9] == (1234, "function-handle", "packed-metadata", None, None, None)
+    run_grid, stream, direct = jit.compiled.runs[0]
+    assert len(grid) == 2 and run_grid == (*grid, 1)  # a 2-D grid, padded for the launcher
+    assert stream == 1234
     constexprs = tuple(meta[n] for n in jit.arg_names[len(triton_args):])
-    for name, a, b in zip(jit.arg_names, run[9:], (*triton_args, *constexprs), strict=True):
-        same = a is b or (isinstance(a, torch.Tensor) and a.data_ptr() == b.data_ptr()
-                          and a.shape == b.shape) or a == b
-        assert same, f"argument {name}: direct {a!r} != Triton's {b!r}"
+    assert_same_arguments(jit.arg_names, direct, (*triton_args, *constexprs))
 
 
 def test_paged_signature_tracks_scales_and_options(fake_paged):

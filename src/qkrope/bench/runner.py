@@ -58,6 +58,7 @@ class WorkloadResult:
     bytes: int
     floor_us: float | None
     impls: dict[str, ImplResult] = field(default_factory=dict)
+    copy_us: float | None = None   # a plain copy of the same bytes, timed like the op
 
 
 @dataclass
@@ -74,16 +75,19 @@ class BenchReport:
     settings: dict
 
     def geomean(self, impl: str) -> float | None:
-        xs = [w.impls[impl].median_us for w in self.workloads if impl in w.impls]
-        if not xs or any(x is None for x in xs):
-            return None
-        return math.exp(sum(math.log(x) for x in xs) / len(xs))
+        return _geomean([w.impls[impl].median_us for w in self.workloads if impl in w.impls])
 
     def floor_geomean(self) -> float | None:
-        xs = [w.floor_us for w in self.workloads]
-        if not xs or any(x is None for x in xs):
-            return None
-        return math.exp(sum(math.log(x) for x in xs) / len(xs))
+        return _geomean([w.floor_us for w in self.workloads])
+
+    def copy_geomean(self) -> float | None:
+        return _geomean([w.copy_us for w in self.workloads])
+
+
+def _geomean(xs: list) -> float | None:
+    if not xs or any(x is None for x in xs):
+        return None
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
 
 
 def environment() -> dict:
@@ -186,6 +190,12 @@ def run_benchmark(
         args = lay.make_inputs(w, geometry, device=device, cache_capacity=L, generator=gen,
                                benchmark_weights=benchmark_inputs)
         ref = lay.reference(args)
+        if timed:
+            from .timing import cupti_call_times_us, same_bytes_copy, summarize
+
+            tick(f"{w.name}: copy of the same bytes")
+            wr.copy_us = summarize(cupti_call_times_us(same_bytes_copy(nbytes), flush,
+                                                       iters=iters, warmup=warmup)).median
         for name, fn in available.items():
             tick(f"{w.name}: {name}")
             call_args = with_fresh_caches(args)
@@ -260,11 +270,13 @@ def render_markdown(report: BenchReport, main: str = "qkrope") -> str:
         bw = report.copy_bandwidth
         lines.append(f"Copy bandwidth measured in this run: {bw / 1e12:.2f} TB/s (read + write); "
                      f"floor = SPEC §4 bytes / that. Times: GPU µs per call (CUPTI, L2 flushed, "
-                     f"median of {report.settings['iters']}).")
+                     f"median of {report.settings['iters']}). copy µs: torch's copy kernel "
+                     "moving the same bytes (half read, half written), timed the same way; "
+                     f"% of copy = that / {main} µs.")
         lines.append("")
         spec_bw = spec_bandwidth(env.get("gpu"))
-        head = ["#", "S", "C", "B", "tokens", "floor µs", f"{main} µs", "p20–p80",
-                "% copy BW", "% spec BW"]
+        head = ["#", "S", "C", "B", "tokens", "floor µs", "copy µs", f"{main} µs", "p20–p80",
+                "% copy BW", "% of copy", "% spec BW"]
         for o in others:
             head.append(f"{o} µs")
         for o in others:
@@ -275,13 +287,14 @@ def render_markdown(report: BenchReport, main: str = "qkrope") -> str:
         for w in report.workloads:
             m = w.impls.get(main)
             row = [str(w.index), str(w.seq_len), str(w.cache_len), str(w.batch), str(w.tokens),
-                   _f(w.floor_us)]
+                   _f(w.floor_us), _f(w.copy_us)]
             if m and m.median_us:
                 row += [_f(m.median_us), f"{m.p20_us:.2f}–{m.p80_us:.2f}",
                         _f(100 * w.floor_us / m.median_us, "{:.0f}%"),
+                        _f(w.copy_us and 100 * w.copy_us / m.median_us, "{:.0f}%"),
                         _f(spec_bw and 100 * w.bytes / (m.median_us * 1e-6) / spec_bw, "{:.0f}%")]
             else:
-                row += ["—"] * 4
+                row += ["—"] * 5
             for o in others:
                 row.append(_f(w.impls[o].median_us) if o in w.impls else "—")
             for o in others:
@@ -295,7 +308,8 @@ def render_markdown(report: BenchReport, main: str = "qkrope") -> str:
         fg = report.floor_geomean()
         lines.append("")
         lines.append("Geometric mean µs: " + ", ".join(
-            [f"floor {_f(fg)}"] + [f"{n} {_f(gm[n])}" for n in report.impls]))
+            [f"floor {_f(fg)}", f"copy of the same bytes {_f(report.copy_geomean())}"]
+            + [f"{n} {_f(gm[n])}" for n in report.impls]))
         lines.append("")
         lines.append("Host µs per eager call (wall clock, back-to-back calls; for reference, "
                      f"torch's `x.add_(1)` takes {_f(report.add_host_us, '{:.1f}')} µs here) and "
@@ -337,6 +351,7 @@ def write_json(report: BenchReport, path: str) -> None:
     data = asdict(report)
     data["geomean_us"] = {n: report.geomean(n) for n in report.impls}
     data["floor_geomean_us"] = report.floor_geomean()
+    data["copy_geomean_us"] = report.copy_geomean()
     with open(path, "w") as f:
         json.dump(data, f, indent=1)
 

@@ -19,7 +19,7 @@ import triton.language as tl
 
 __all__ = [
     "KernelRecord", "Stats", "summarize", "split_calls", "L2Flusher", "cupti_call_times_us",
-    "host_time_per_call_us", "graph_replay_time_us", "copy_bandwidth",
+    "host_time_per_call_us", "graph_replay_time_us", "copy_bandwidth", "same_bytes_copy",
 ]
 
 FLUSH_KERNEL_NAME = "qkrope_l2_flush_kernel"
@@ -194,3 +194,12 @@ def copy_bandwidth(nbytes: int = 2**31, iters: int = 20) -> float:
         times.append(start.elapsed_time(end) * 1e-3)
     del src, dst
     return 2 * nbytes / statistics.median(times)
+
+
+def same_bytes_copy(nbytes: int, device: torch.device | str = "cuda") -> Callable[[], object]:
+    """A call that moves ``nbytes`` through DRAM as a plain copy (reads ``nbytes / 2``, writes
+    as many) with torch's copy kernel: what the same traffic costs with no compute, timed like
+    the op to show how much of the gap to the bandwidth floor is latency any kernel pays."""
+    src = torch.empty(max(nbytes // 2, 16), dtype=torch.uint8, device=device).random_(0, 255)
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)

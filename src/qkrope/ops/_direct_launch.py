@@ -12,7 +12,8 @@ later call with the same signature skips both and launches the compiled kernel d
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+import types
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -43,16 +44,20 @@ def fast_path_ok() -> bool:
     return not interpreting() and (hook is None or not getattr(hook, "calls", True))
 
 
-def signature(options: tuple, tensors: Sequence) -> tuple | None:
+def signature(options: tuple, tensors: Sequence, addresses: list) -> tuple | None:
     """``options`` plus (shape, strides, dtype, device, 16 B aligned) of each tensor (None kept
-    as None); None when an argument is not a tensor (the checked path then raises its error)."""
+    as None); None when an argument is not a tensor (the checked path then raises its error).
+    Appends each tensor's address (or None) to ``addresses``: the direct launch passes those."""
     key = [options]
     try:
         for t in tensors:
             if t is None:
                 key.append(None)
+                addresses.append(None)
             else:
-                key += (t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() % 16 == 0)
+                p = t.data_ptr()
+                addresses.append(p)
+                key += (t.shape, t.stride(), t.dtype, t.get_device(), p % 16 == 0)
     except AttributeError:
         return None
     return tuple(key)
@@ -60,24 +65,40 @@ def signature(options: tuple, tensors: Sequence) -> tuple | None:
 
 class Plan(NamedTuple):
     """A compiled kernel bound to one signature: launch it with the per-call arguments (the
-    tensors and the runtime scalars before ``tail``)."""
+    tensors' addresses, then the runtime scalars before ``tail``)."""
 
-    kernel: object               # triton CompiledKernel
+    run: Callable                # Triton's C launch function, or CompiledKernel.run
     grid: tuple[int, int, int]
+    middle: tuple                # the arguments between the stream and the kernel's own
     tail: tuple                  # the remaining launch arguments, constexprs included
     device_index: int
 
-    def launch(self, *head) -> None:
+    def launch(self, addresses: list, *scalars) -> None:
+        # Raw addresses, not tensors: for a tensor Triton's launcher calls data_ptr() and asks
+        # the driver (cuPointerGetAttribute) where it lives; the signature fixed the device.
         if current_device() == self.device_index:
-            self._run(head)
+            self.run(*self.grid, raw_stream(self.device_index), *self.middle, *addresses,
+                     *scalars, *self.tail)
         else:  # a launch goes to the current device: make the tensors' device current
             with torch.cuda.device(self.device_index):
-                self._run(head)
+                self.run(*self.grid, raw_stream(self.device_index), *self.middle, *addresses,
+                         *scalars, *self.tail)
 
-    def _run(self, head) -> None:
-        k = self.kernel
-        k.run(*self.grid, raw_stream(self.device_index), k.function, k.packed_metadata, None,
-              None, None, *head, *self.tail)
+
+def _bind(compiled) -> tuple[Callable, tuple]:
+    """The cheapest callable that launches ``compiled`` and the arguments it takes between the
+    stream and the kernel's: Triton 3.6's C ``launch`` when the kernel needs no scratch
+    memory (that is all the Python ``CudaLauncher.__call__`` adds), else ``compiled.run``."""
+    runner = compiled.run
+    c_launch = getattr(runner, "launch", None)
+    plain = (getattr(runner, "global_scratch_size", 1) == 0
+             and getattr(runner, "profile_scratch_size", 1) == 0
+             and c_launch is not None
+             and not isinstance(c_launch, types.FunctionType))  # not Triton's Python wrapper
+    if plain:
+        return c_launch, (compiled.function, runner.launch_cooperative_grid, runner.launch_pdl,
+                          None, None, compiled.packed_metadata, None, None, None)
+    return runner, (compiled.function, compiled.packed_metadata, None, None, None)
 
 
 class PlanCache(dict):
@@ -98,7 +119,8 @@ class PlanCache(dict):
     def remember(self, key, jit_fn, compiled, grid, args: list, meta: dict, n_head: int,
                  device_index: int) -> None:
         """After a launch through Triton (``jit_fn[grid](*args, **meta)`` returned
-        ``compiled``), keep it for ``key``; the first ``n_head`` args vary per call."""
+        ``compiled``), keep it for ``key``; the first ``n_head`` args (tensors, then scalars)
+        vary per call."""
         if key is None or not fast_path_ok() or not hasattr(compiled, "run"):
             return
         try:
@@ -110,4 +132,5 @@ class PlanCache(dict):
         # Constexpr parameters are passed too, in parameter order, after the runtime ones.
         constexprs = (meta[n] for n in jit_fn.arg_names[len(args):])
         grid = (*grid, 1, 1)[:3]  # the launcher takes all three grid dimensions
-        self[key] = Plan(compiled, grid, (*args[n_head:], *constexprs), device_index)
+        run, middle = _bind(compiled)
+        self[key] = Plan(run, grid, middle, (*args[n_head:], *constexprs), device_index)

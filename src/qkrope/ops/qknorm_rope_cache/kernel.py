@@ -100,20 +100,31 @@ def _load_halves(x_ptr, x_off, x_half_step, mask, EVICTION: tl.constexpr):
 
 
 @triton.jit
-def _norm_rope(x1, x2, w_ptr, stride_w, cos, sin, eps, DT: tl.constexpr, HALF: tl.constexpr,
-               INTERPRETER: tl.constexpr, HF_NORM: tl.constexpr, W_OFFSET: tl.constexpr = 0.0):
-    """RMSNorm + NeoX rotation of the two halves of a tile of rows; returns both halves in DT.
+def _load_weight_halves(w_ptr, stride_w, HALF: tl.constexpr, W_OFFSET: tl.constexpr = 0.0):
+    """Both halves of a norm weight as fp32 [1, 1, HALF] (``W_OFFSET + w``: Gemma style).
 
-    Rounding points follow SPEC §1: one rounding after the fp32 weight multiply (or, with
-    ``HF_NORM``, one before and one after a weight multiply in DT), one after each rotation
-    product and one after each sum. ``W_OFFSET``: Gemma-style ``offset + w`` weights (fp32).
-    """
-    d = tl.arange(0, HALF)
-    w1 = tl.load(w_ptr + d * stride_w).to(tl.float32)[None, None, :]
-    w2 = tl.load(w_ptr + (d + HALF) * stride_w).to(tl.float32)[None, None, :]
+    Callers load these with the rows, before any sin/cos work: loaded inside the math they
+    would sit behind its layout-conversion barriers, a serial memory round trip or two per
+    program."""
+    d = tl.arange(0, HALF)[None, None, :]
+    w1 = tl.load(w_ptr + d * stride_w).to(tl.float32)
+    w2 = tl.load(w_ptr + (d + HALF) * stride_w).to(tl.float32)
     if W_OFFSET != 0.0:
         w1 = w1 + W_OFFSET
         w2 = w2 + W_OFFSET
+    return w1, w2
+
+
+@triton.jit
+def _norm_rope(x1, x2, w1, w2, cos, sin, eps, DT: tl.constexpr, HALF: tl.constexpr,
+               INTERPRETER: tl.constexpr, HF_NORM: tl.constexpr):
+    """RMSNorm + NeoX rotation of the two halves of a tile of rows; returns both halves in DT.
+
+    ``w1``, ``w2``: the fp32 weight halves from :func:`_load_weight_halves`. Rounding points
+    follow SPEC §1: one rounding after the fp32 weight multiply (or, with ``HF_NORM``, one
+    before and one after a weight multiply in DT), one after each rotation product and one
+    after each sum.
+    """
     # 1/D is a power of two for every supported head_dim, so this equals torch's sum * (1/D).
     mean_sq = (_row_sum(x1 * x1) + _row_sum(x2 * x2)) * (0.5 / HALF)
     rstd = tl.math.rsqrt(mean_sq + eps)[:, :, None]
@@ -175,18 +186,20 @@ def qknorm_rope_cache_kernel(
     if pid_h < n_q_blocks:
         hq = pid_h * BLOCK_HQ + tl.arange(0, BLOCK_HQ)[:, None, None]
         q_mask = (hq < Hq) & (s3 < S)
+        w1, w2 = _load_weight_halves(q_w_ptr, stride_q_w, HALF)
         q_off = _offsets(b, hq, s3, d3, stride_q_b, stride_q_h, stride_q_s, stride_q_d)
         q1, q2 = _load_halves(q_ptr, q_off, HALF * stride_q_d, q_mask, EVICTION)
         cos, sin = _rope_cos_sin(pos_ptr, inv_freq_ptr, b, s_idx, s_mask, stride_pos_b,
                                  stride_pos_s, stride_inv_freq, DT, HALF, INTERPRETER, TRIG)
-        q1, q2 = _norm_rope(q1, q2, q_w_ptr, stride_q_w, cos[None, :, :], sin[None, :, :], eps,
-                            DT, HALF, INTERPRETER, HF_NORM)
+        q1, q2 = _norm_rope(q1, q2, w1, w2, cos[None, :, :], sin[None, :, :], eps, DT, HALF,
+                            INTERPRETER, HF_NORM)
         qo_off = _offsets(b, hq, s3, d3, stride_qo_b, stride_qo_h, stride_qo_s, stride_qo_d)
         tl.store(q_out_ptr + qo_off, q1, mask=q_mask, eviction_policy=EVICTION)
         tl.store(q_out_ptr + qo_off + HALF * stride_qo_d, q2, mask=q_mask, eviction_policy=EVICTION)
     else:
         hk = (pid_h - n_q_blocks) * BLOCK_HKV + tl.arange(0, BLOCK_HKV)[:, None, None]
         k_mask = (hk < Hkv) & (s3 < S)
+        w1, w2 = _load_weight_halves(k_w_ptr, stride_k_w, HALF)
         k_off = _offsets(b, hk, s3, d3, stride_k_b, stride_k_h, stride_k_s, stride_k_d)
         k1, k2 = _load_halves(k_ptr, k_off, HALF * stride_k_d, k_mask, EVICTION)
         d_full = tl.arange(0, 2 * HALF)[None, None, :]
@@ -196,8 +209,8 @@ def qknorm_rope_cache_kernel(
         row = tl.load(cache_pos_ptr + s_idx.to(tl.int64) * stride_cache_pos, mask=s_mask, other=-1)
         cos, sin = _rope_cos_sin(pos_ptr, inv_freq_ptr, b, s_idx, s_mask, stride_pos_b,
                                  stride_pos_s, stride_inv_freq, DT, HALF, INTERPRETER, TRIG)
-        k1, k2 = _norm_rope(k1, k2, k_w_ptr, stride_k_w, cos[None, :, :], sin[None, :, :], eps,
-                            DT, HALF, INTERPRETER, HF_NORM)
+        k1, k2 = _norm_rope(k1, k2, w1, w2, cos[None, :, :], sin[None, :, :], eps, DT, HALF,
+                            INTERPRETER, HF_NORM)
         ko_off = _offsets(b, hk, s3, d3, stride_ko_b, stride_ko_h, stride_ko_s, stride_ko_d)
         tl.store(k_out_ptr + ko_off, k1, mask=k_mask, eviction_policy=EVICTION)
         tl.store(k_out_ptr + ko_off + HALF * stride_ko_d, k2, mask=k_mask, eviction_policy=EVICTION)

@@ -257,12 +257,14 @@ def fused_rope_with_qk_norm_and_kv_cache_update(
     hf_norm = norm_rounding == "hf"
     if not hf_norm and norm_rounding != "weight_fp32":
         raise ValueError(f"norm_rounding must be one of {NORM_ROUNDINGS}, got {norm_rounding!r}")
-    plan = (_PLANS.find(signature(hf_norm, (*tensors, query_out, key_out)))
+    addresses = []
+    plan = (_PLANS.find(signature(hf_norm, (*tensors, query_out, key_out), addresses))
             if fast_path_ok() else None)
     if plan is None or type(rms_norm_eps) is not float or not 0.0 <= rms_norm_eps < math.inf:
         return _checked_call(tensors, rms_norm_eps, query_out, key_out, hf_norm)
     query_out, key_out = new_outputs(query, key, query_out, key_out)
-    plan.launch(*tensors, query_out, key_out, rms_norm_eps)
+    addresses[10:] = query_out.data_ptr(), key_out.data_ptr()
+    plan.launch(addresses, rms_norm_eps)
     return query_out, key_out, key_cache, value_cache
 
 
@@ -322,7 +324,7 @@ def _checked_call(tensors, rms_norm_eps, query_out, key_out, hf_norm: bool):
     (query, key, value, position_ids, key_cache, value_cache, cache_position,
      q_norm_weight, k_norm_weight, inv_freq) = tensors
     B, Hq, Hkv, S, D, L = check_inputs(*tensors, rms_norm_eps)
-    key_of_call = signature(hf_norm, (*tensors, query_out, key_out))
+    key_of_call = signature(hf_norm, (*tensors, query_out, key_out), [])
     query_out, key_out = outputs_like(query, key, query_out, key_out)
     cfg = pick_config(B, Hq, Hkv, S, D, interpreting())
     grid, args, meta, compiled = launch(*tensors, rms_norm_eps, query_out, key_out, cfg, hf_norm)

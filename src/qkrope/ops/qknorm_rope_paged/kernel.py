@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from ..qknorm_rope_cache.kernel import (
-    _cos_sin, _cos_sin_at, _load_halves, _norm_rope, _round, _row_sum,
+    _cos_sin, _cos_sin_at, _load_halves, _load_weight_halves, _norm_rope, _round, _row_sum,
 )
 
 
@@ -84,13 +84,16 @@ def _norm_rotate(x_ptr, row_off, stride_d, mask, w_ptr, stride_w, pos, inv_freq_
     HALF: tl.constexpr = D // 2
     DT = x_ptr.dtype.element_ty
     d_lo = tl.arange(0, HALF)
-    x_lo, x_hi = _load_halves(x_ptr, row_off + d_lo[None, None, :] * stride_d, HALF * stride_d,
-                              mask, "")
     if not GPTJ and ROT == D:  # full NeoX rotary: the [B, H, S, D] kernel's own math
+        w_lo, w_hi = _load_weight_halves(w_ptr, stride_w, HALF, W_OFFSET)
+        x_lo, x_hi = _load_halves(x_ptr, row_off + d_lo[None, None, :] * stride_d,
+                                  HALF * stride_d, mask, "")
         cos, sin = _cos_sin_at(pos, inv_freq_ptr, stride_inv_freq, DT, HALF, INTERPRETER, 0)
-        lo, hi = _norm_rope(x_lo, x_hi, w_ptr, stride_w, cos[None, :, :], sin[None, :, :], eps,
-                            DT, HALF, INTERPRETER, HF_NORM, W_OFFSET)
+        lo, hi = _norm_rope(x_lo, x_hi, w_lo, w_hi, cos[None, :, :], sin[None, :, :], eps, DT,
+                            HALF, INTERPRETER, HF_NORM)
     else:
+        x_lo, x_hi = _load_halves(x_ptr, row_off + d_lo[None, None, :] * stride_d,
+                                  HALF * stride_d, mask, "")
         # 1/D is a power of two for every supported head_dim: equals torch's sum * (1/D).
         rstd = tl.math.rsqrt((_row_sum(x_lo * x_lo) + _row_sum(x_hi * x_hi)) * (1.0 / D)
                              + eps)[:, :, None]

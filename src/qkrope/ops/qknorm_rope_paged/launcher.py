@@ -192,18 +192,20 @@ def fused_qk_norm_rope_paged(
                    for s in (k_scale, v_scale))
     # The signature: Python-float scales among the options, scale tensors among the tensors.
     key_of_call = None
+    addresses = []
     if not compiling and all(s is None or isinstance(s, (float, torch.Tensor)) for s in scales):
         key_of_call = signature(
             (cache_layout, rotary_style, rotary_dim, norm_weight_offset, norm_rounding,
              *(s if isinstance(s, float) else None for s in scales)),
             (*tensors, query_out, key_out,
-             *(s if isinstance(s, torch.Tensor) else None for s in scales)))
+             *(s if isinstance(s, torch.Tensor) else None for s in scales)), addresses)
     plan = _PLANS.find(key_of_call) if fast_path_ok() else None
     if plan is not None and type(rms_norm_eps) is float and 0.0 <= rms_norm_eps < math.inf:
         query_out, key_out = new_outputs(query, key, query_out, key_out)
-        plan.launch(*tensors, query_out, key_out,
-                    *(inv_freq if s is None else _device_scale(s, query.device) for s in scales),
-                    rms_norm_eps)
+        addresses[10:] = (query_out.data_ptr(), key_out.data_ptr(),
+                          *[(inv_freq if s is None else _device_scale(s, query.device)).data_ptr()
+                            for s in scales])
+        plan.launch(addresses, rms_norm_eps)
         return query_out, key_out
 
     _, _, Hkv, _, rot, _, _ = _check(*tensors, rms_norm_eps, cache_layout, rotary_style,
@@ -221,7 +223,7 @@ def fused_qk_norm_rope_paged(
         grid, args, meta, compiled = launch_paged(
             *tensors, rms_norm_eps, query_out, key_out, cache_layout, rotary_style, rot,
             norm_weight_offset, norm_rounding, k_sc, v_sc)
-        # Per call: 10 input tensors, 2 outputs, 2 scale pointers and rms_norm_eps.
+        # Per call: 10 input tensors, 2 outputs, 2 scale tensors and rms_norm_eps.
         _PLANS.remember(key_of_call, qknorm_rope_paged_kernel, compiled, grid, args, meta, 15,
                         query.get_device())
     return query_out, key_out
