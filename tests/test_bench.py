@@ -109,3 +109,18 @@ def test_cli_paged_layout_on_cpu(capsys):
                "--model", "qwen3-0.6b"])
     out = capsys.readouterr().out
     assert rc == 0 and "layout paged" in out and out.count("| pass |") == 2
+
+
+
+def test_same_bytes_copies_move_the_bytes():
+    # The yardstick copies (timed on the GPU) must really copy; here through the interpreter.
+    from qkrope.bench.timing import COPY_BLOCK, same_bytes_copies
+
+    src, dst, copies = same_bytes_copies(10_000, device="cuda" if torch.cuda.is_available()
+                                         else "cpu")
+    assert src.numel() % COPY_BLOCK == 0 and 2 * src.numel() * src.element_size() >= 10_000
+    assert set(copies) == {"torch copy_", "triton copy"}
+    for copy in copies.values():
+        dst.fill_(float("nan"))
+        copy()
+        assert torch.equal(dst, src)
