@@ -28,10 +28,14 @@ def small_model(seed=0, **over):
     return model
 
 
-def generate(model, ids, new_tokens, max_cache_len=64):
+def generate(model, ids, new_tokens, max_cache_len=64, disable_compile=True):
+    # generate() compiles the decode step of a StaticCache model on GPUs by default; Inductor
+    # then keeps the stock norm and rotary in fp32 between ops, which changes ~3% of the
+    # stock model's own layer-0 keys (H200, transformers 5.17). The stock eager model is the
+    # reference the patch must reproduce bit for bit.
     cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
     out = model.generate(ids, past_key_values=cache, max_new_tokens=new_tokens, do_sample=False,
-                         min_new_tokens=new_tokens)
+                         min_new_tokens=new_tokens, disable_compile=disable_compile)
     return out, cache
 
 
@@ -45,17 +49,26 @@ def test_patched_model_generates_the_same_tokens_and_cache(batch):
         warnings.filterwarnings("error", message="qkrope")  # fused path taken, no fallback
         tokens, cache = generate(model, ids, 6)
     assert torch.equal(tokens, stock_tokens)
-    # Layer 0 sees identical inputs: V is a pure copy and must match exactly. K differs where a
-    # rounding flips (fp32 details of norm and angle); later layers inherit those flips through
-    # attention. Measured: CPU 100% identical everywhere; H200 (transformers 5.17) 97.1% of
-    # layer-0 K and ~94% of later layers (docs/perf-notes.md; the layer-0 gap is open work).
-    first, first_stock = cache.layers[0], stock_cache.layers[0]
-    assert torch.equal(first.values, first_stock.values)
-    assert (first.keys == first_stock.keys).float().mean() >= 0.95
-    for stock_layer, layer in zip(stock_cache.layers, cache.layers):
-        for a, b in ((stock_layer.keys, layer.keys), (stock_layer.values, layer.values)):
-            assert (a == b).float().mean() >= 0.9, "cache contents differ beyond rounding"
+    for stock_layer, layer in zip(stock_cache.layers, cache.layers, strict=True):
+        assert torch.equal(layer.keys, stock_layer.keys)
+        assert torch.equal(layer.values, stock_layer.values)
     assert unpatch_qwen3(model) == 2 and not any(is_patched(m) for m in model.modules())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="generate() compiles only on GPUs")
+def test_patched_model_under_generate_compile():
+    # generate()'s default for a StaticCache on a GPU: the decode step is torch.compile'd and the
+    # fused op goes through its registered custom op inside the compiled graph.
+    model = small_model(seed=2)
+    ids = torch.randint(0, 512, (2, 7), device=DEVICE)
+    stock_tokens, _ = generate(model, ids, 6)
+    patch_qwen3(model)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="qkrope")
+        tokens, _ = generate(model, ids, 6, disable_compile=False)
+    assert torch.equal(tokens, stock_tokens)
+    unpatch_qwen3(model)
 
 
 def test_dynamic_cache_falls_back_with_a_warning():
