@@ -312,7 +312,8 @@ def render_markdown(report: BenchReport, main: str = "qkrope") -> str:
             [f"floor {_f(fg)}", f"copy of the same bytes {_f(report.copy_geomean())}"]
             + [f"{n} {_f(gm[n])}" for n in report.impls]))
         lines.append("")
-        lines.append("Host µs per eager call (wall clock, back-to-back calls; for reference, "
+        lines.append("Host µs per eager call (wall clock, back-to-back calls in 5 runs, the median "
+                     "run; for reference, "
                      f"torch's `x.add_(1)` takes {_f(report.add_host_us, '{:.1f}')} µs here) and "
                      "µs per call inside a replayed CUDA graph (20 calls per graph, L2 warm):")
         lines.append("")

@@ -135,17 +135,24 @@ def cupti_call_times_us(fn: Callable[[], object], flush: L2Flusher, *, iters: in
     return times
 
 
-def host_time_per_call_us(fn: Callable[[], object], calls: int = 2000) -> float:
-    """Wall-clock µs per call over ``calls`` back-to-back eager calls (what an eager caller
-    waits for when the GPU keeps up: Python, checks, allocation and launch)."""
+def host_time_per_call_us(fn: Callable[[], object], calls: int = 2000,
+                          batches: int = 5) -> float:
+    """Wall-clock µs per call of back-to-back eager calls (what an eager caller waits for when
+    the GPU keeps up: Python, checks, allocation and launch): ``calls`` calls in ``batches``
+    equal runs, the median run's µs per call (one run disturbed by another process on the
+    host does not move the figure)."""
     for _ in range(min(calls, 20)):
         fn()
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / calls * 1e6
+    per_batch = max(calls // batches, 1)
+    times = []
+    for _ in range(batches):
+        t0 = time.perf_counter()
+        for _ in range(per_batch):
+            fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) / per_batch * 1e6)
+    return statistics.median(times)
 
 
 def graph_replay_time_us(fn: Callable[[], object], calls_per_graph: int = 20,
