@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers import Case, make_inputs
 
-from qkrope.ops import _direct_launch
+from qkrope.ops import _direct_launch, _native
 from qkrope.ops.qknorm_rope_cache import launcher
 from qkrope.ops.qknorm_rope_cache.kernel import qknorm_rope_cache_kernel
 
@@ -72,9 +72,21 @@ class FakeJit:
         return launch
 
 
-@pytest.fixture(params=[True, False], ids=["c-launch", "run"])
+def pin_signature(monkeypatch, native: bool) -> None:
+    """Pin the signature implementation for a test (no background build switching it)."""
+    monkeypatch.setattr(_native, "start_build", lambda: None)
+    fn = _native.load() if native else None
+    if native and fn is None:
+        pytest.skip(f"native signature unavailable: {_native.status()}")
+    monkeypatch.setattr(_native, "signature_fn", lambda: fn)
+
+
+@pytest.fixture(params=[(True, False), (False, False), (True, True)],
+                ids=["c-launch", "run", "c-launch-native-signature"])
 def fake(monkeypatch, request):
-    jit = FakeJit(request.param)
+    c_launch, native = request.param
+    pin_signature(monkeypatch, native)
+    jit = FakeJit(c_launch)
     monkeypatch.setattr(launcher, "qknorm_rope_cache_kernel", jit)
     monkeypatch.setattr(_direct_launch, "fast_path_ok", lambda: True)
     monkeypatch.setattr(launcher, "fast_path_ok", lambda: True)
@@ -155,12 +167,15 @@ def test_direct_launch_makes_the_tensors_device_current(fake, monkeypatch):
     assert entered == [args[0].get_device()] and len(fake.compiled.runs) == 1
 
 
-@pytest.fixture(params=[True, False], ids=["c-launch", "run"])
+@pytest.fixture(params=[(True, False), (False, False), (True, True)],
+                ids=["c-launch", "run", "c-launch-native-signature"])
 def fake_paged(monkeypatch, request):
     from qkrope.ops.qknorm_rope_paged import launcher as paged
     from qkrope.ops.qknorm_rope_paged.kernel import qknorm_rope_paged_kernel
 
-    jit = FakeJit(request.param)
+    c_launch, native = request.param
+    pin_signature(monkeypatch, native)
+    jit = FakeJit(c_launch)
     jit.arg_names = qknorm_rope_paged_kernel.arg_names
     monkeypatch.setattr(paged, "qknorm_rope_paged_kernel", jit)
     monkeypatch.setattr(_direct_launch, "fast_path_ok", lambda: True)

@@ -100,9 +100,12 @@ def environment() -> dict:
     }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
+        from ..ops import _native
+
         env.update(gpu=props.name, sms=props.multi_processor_count,
                    l2_bytes=getattr(props, "L2_cache_size", None),
-                   cuda=torch.version.cuda, driver=_driver_version())
+                   cuda=torch.version.cuda, driver=_driver_version(),
+                   launch_signature=_native.status())
     else:
         env.update(gpu=None, note="no CUDA device: correctness only, through Triton's interpreter")
     return env
@@ -174,6 +177,12 @@ def run_benchmark(
     if timed:
         from .timing import L2Flusher, copy_bandwidth, host_time_per_call_us
 
+        from ..ops import _native
+
+        # The eager fast path keys calls natively once its helper is built (once per machine,
+        # in the background): wait for it, so every host time below measures the same path.
+        tick("building the native launch signature (first run on this machine: ~30 s)")
+        _native.load()
         tick("measuring copy bandwidth and torch's host time per call")
         bandwidth = copy_bandwidth()
         flush = L2Flusher()
@@ -314,7 +323,8 @@ def render_markdown(report: BenchReport, main: str = "qkrope") -> str:
         lines.append("")
         lines.append("Host µs per eager call (wall clock, back-to-back calls in 5 runs, the median "
                      "run; for reference, "
-                     f"torch's `x.add_(1)` takes {_f(report.add_host_us, '{:.1f}')} µs here) and "
+                     f"torch's `x.add_(1)` takes {_f(report.add_host_us, '{:.1f}')} µs here; "
+                     f"qkrope's launch signature: {env.get('launch_signature', '?')}) and "
                      "µs per call inside a replayed CUDA graph (20 calls per graph, L2 warm):")
         lines.append("")
         head2 = ["#", "tokens"] + [f"{n} host" for n in report.impls] + [

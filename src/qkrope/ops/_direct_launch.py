@@ -20,6 +20,7 @@ import torch
 import triton
 
 from .._interpret import interpreting
+from . import _native
 
 __all__ = ["Plan", "PlanCache", "signature", "fast_path_ok", "device_of"]
 
@@ -47,7 +48,17 @@ def fast_path_ok() -> bool:
 def signature(options: tuple, tensors: Sequence, addresses: list) -> tuple | None:
     """``options`` plus (shape, strides, dtype, device, 16 B aligned) of each tensor (None kept
     as None); None when an argument is not a tensor (the checked path then raises its error).
-    Appends each tensor's address (or None) to ``addresses``: the direct launch passes those."""
+    Appends each tensor's address (or None) to ``addresses``: the direct launch passes those.
+
+    Read natively (:mod:`._native`, one C++ call) once that helper is built, else in Python.
+    """
+    native = _native.signature_fn()
+    if native is not None:
+        packed = native(*tensors)
+        if packed is None:  # a non-tensor, a Tensor subclass, a tensor without strides
+            return None
+        addresses += packed[1]
+        return options, packed[0]
     key = [options]
     try:
         for t in tensors:
@@ -123,6 +134,8 @@ class PlanCache(dict):
         vary per call."""
         if key is None or not fast_path_ok() or not hasattr(compiled, "run"):
             return
+        if not interpreting():
+            _native.start_build()  # in the background; later calls key natively once built
         try:
             hash(key)
         except TypeError:

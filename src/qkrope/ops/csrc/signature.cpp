@@ -1,0 +1,66 @@
+// Native argument signature for the direct-launch fast path (see ../_native.py).
+//
+// signature(*args) reads, for each argument, what Triton specialises on and what the ops' checks
+// look at -- dtype, device, sizes, strides, 16-byte alignment of the data pointer -- straight
+// from the TensorImpl, and packs them into one bytes object (the lookup key), plus the data
+// addresses the launch passes. Python spends ~0.15 us per attribute read on the H200 test host,
+// 60 of them per call; this is one call. Anything but a plain torch.Tensor / nn.Parameter (a
+// subclass, a non-tensor) or a tensor without strides gives None: the checked path handles it.
+
+#include <torch/extension.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+static PyObject* qk_signature(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  constexpr size_t CAP = 512;  // int64 words: 6 + 2 * ndim per tensor, far above 16 tensors
+  int64_t buf[CAP];
+  size_t n = 0;
+  PyObject* addrs = PyList_New(nargs);
+  if (!addrs) return nullptr;
+  try {
+    for (Py_ssize_t i = 0; i < nargs; ++i) {
+      PyObject* obj = args[i];
+      if (obj == Py_None) {
+        if (n + 1 > CAP) { Py_DECREF(addrs); Py_RETURN_NONE; }
+        buf[n++] = -1;
+        Py_INCREF(Py_None);
+        PyList_SET_ITEM(addrs, i, Py_None);
+        continue;
+      }
+      if (!THPVariable_CheckExact(obj)) { Py_DECREF(addrs); Py_RETURN_NONE; }
+      const at::Tensor& t = THPVariable_Unpack(obj);
+      const int64_t nd = t.dim();
+      if (n + 6 + 2 * static_cast<size_t>(nd) > CAP) { Py_DECREF(addrs); Py_RETURN_NONE; }
+      auto sizes = t.sizes();
+      auto strides = t.strides();
+      buf[n++] = static_cast<int64_t>(t.scalar_type());
+      buf[n++] = static_cast<int64_t>(t.device().type());
+      buf[n++] = t.device().index();
+      buf[n++] = nd;
+      for (int64_t d = 0; d < nd; ++d) buf[n++] = sizes[d];
+      for (int64_t d = 0; d < nd; ++d) buf[n++] = strides[d];
+      const auto p = reinterpret_cast<uintptr_t>(t.const_data_ptr());
+      buf[n++] = (p % 16) == 0;
+      PyObject* a = PyLong_FromUnsignedLongLong(p);
+      if (!a) { Py_DECREF(addrs); return nullptr; }
+      PyList_SET_ITEM(addrs, i, a);
+    }
+  } catch (const std::exception&) {  // e.g. sparse or nested tensors: no strides
+    Py_DECREF(addrs);
+    Py_RETURN_NONE;
+  }
+  PyObject* key = PyBytes_FromStringAndSize(reinterpret_cast<const char*>(buf), n * sizeof(int64_t));
+  if (!key) { Py_DECREF(addrs); return nullptr; }
+  PyObject* out = PyTuple_Pack(2, key, addrs);
+  Py_DECREF(key);
+  Py_DECREF(addrs);
+  return out;
+}
+
+static PyMethodDef methods[] = {
+    {"signature", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(qk_signature)),
+     METH_FASTCALL, "signature(*tensors) -> (bytes, list of addresses) | None"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  if (PyModule_AddFunctions(m.ptr(), methods) < 0) throw pybind11::error_already_set();
+}

@@ -1,0 +1,84 @@
+"""The native signature (qkrope/ops/csrc/signature.cpp) against the Python one it replaces:
+two calls get equal native keys exactly when they get equal Python keys, and the same
+addresses."""
+
+import itertools
+import shutil
+
+import pytest
+import torch
+
+from qkrope.ops import _direct_launch, _native
+
+
+@pytest.fixture(scope="module")
+def native():
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler")
+    fn = _native.load()
+    assert fn is not None, _native.status()
+    return fn
+
+
+def python_signature(tensors):
+    addresses = []
+    saved = _native._state["fn"]
+    _native._state["fn"] = None
+    try:
+        return _direct_launch.signature("opts", tensors, addresses), addresses
+    finally:
+        _native._state["fn"] = saved
+
+
+def variants():
+    base = torch.randn(4, 6, 8, dtype=torch.bfloat16)
+    return {
+        "base": base,
+        "same metadata, other storage": torch.randn(4, 6, 8, dtype=torch.bfloat16),
+        "fp16": base.half(),
+        "transposed": base.transpose(0, 1),
+        "transposed back to contiguous": base.transpose(0, 1).contiguous().transpose(0, 1),
+        "slice (aligned)": base[:, :, :4],
+        "offset view (2 B: unaligned)": torch.randn(193, dtype=torch.bfloat16)[1:].view(4, 6, 8),
+        "expanded (stride 0)": base[:1].expand(4, 6, 8),
+        "other shape": torch.randn(4, 6, 16, dtype=torch.bfloat16)[:, :, :8].contiguous(),
+        "3 x 1-D": torch.randn(192, dtype=torch.bfloat16),
+        "parameter": torch.nn.Parameter(torch.randn(4, 6, 8, dtype=torch.bfloat16)),
+        "int64": torch.arange(192).view(4, 6, 8),
+        "none": None,
+    }
+
+
+def native_signature(tensors):
+    addresses = []
+    saved = _native._state["fn"]
+    _native._state["fn"] = _native.load()
+    try:
+        return _direct_launch.signature("opts", tensors, addresses), addresses
+    finally:
+        _native._state["fn"] = saved
+
+
+def test_native_keys_equal_exactly_when_python_keys_do(native):
+    vs = list(variants().values())
+    calls = [*itertools.product(vs, repeat=2), *((a, None, b) for a, b in
+                                                  itertools.product(vs[:5], repeat=2))]
+    py = [python_signature(c) for c in calls]
+    nat = [native_signature(c) for c in calls]
+    for (pk, pa), (nk, na) in zip(py, nat):
+        assert pk is not None and nk is not None and pa == na
+    for i, j in itertools.product(range(len(calls)), repeat=2):
+        assert (py[i][0] == py[j][0]) == (nat[i][0] == nat[j][0]), (i, j)
+
+
+def test_native_signature_rejects_what_the_checked_path_must_see(native):
+    t = torch.ones(3)
+
+    class Sub(torch.Tensor):
+        pass
+
+    assert native(t, 1) is None                      # a non-tensor argument
+    assert native(t.as_subclass(Sub)) is None        # a Tensor subclass
+    assert native(torch.ones(3).to_sparse()) is None  # no strides
+    key, addrs = native(t, None)
+    assert isinstance(key, bytes) and addrs == [t.data_ptr(), None]
