@@ -74,8 +74,8 @@ class FakeJit:
 
 def pin_signature(monkeypatch, native: bool) -> None:
     """Pin the signature implementation for a test (no background build switching it)."""
-    monkeypatch.setattr(_native, "start_build", lambda: None)
-    fn = _native.load() if native else None
+    fn = _native.load(force=True) if native else None
+    monkeypatch.setattr(_native, "start_build", lambda force=False: None)
     if native and fn is None:
         pytest.skip(f"native signature unavailable: {_native.status()}")
     monkeypatch.setattr(_native, "signature_fn", lambda: fn)

@@ -15,19 +15,20 @@ from qkrope.ops import _direct_launch, _native
 def native():
     if shutil.which("c++") is None and shutil.which("g++") is None:
         pytest.skip("no C++ compiler")
-    fn = _native.load()
+    fn = _native.load(force=True)  # opt-in at run time; built and tested here regardless
     assert fn is not None, _native.status()
     return fn
 
 
-def python_signature(tensors):
+def signature_with(fn, tensors):
+    """_direct_launch.signature with the native function ``fn`` (None: the Python one)."""
     addresses = []
-    saved = _native._state["fn"]
-    _native._state["fn"] = None
+    orig = _native.signature_fn
+    _native.signature_fn = lambda: fn
     try:
         return _direct_launch.signature("opts", tensors, addresses), addresses
     finally:
-        _native._state["fn"] = saved
+        _native.signature_fn = orig
 
 
 def variants():
@@ -49,22 +50,12 @@ def variants():
     }
 
 
-def native_signature(tensors):
-    addresses = []
-    saved = _native._state["fn"]
-    _native._state["fn"] = _native.load()
-    try:
-        return _direct_launch.signature("opts", tensors, addresses), addresses
-    finally:
-        _native._state["fn"] = saved
-
-
 def test_native_keys_equal_exactly_when_python_keys_do(native):
     vs = list(variants().values())
     calls = [*itertools.product(vs, repeat=2), *((a, None, b) for a, b in
                                                   itertools.product(vs[:5], repeat=2))]
-    py = [python_signature(c) for c in calls]
-    nat = [native_signature(c) for c in calls]
+    py = [signature_with(None, c) for c in calls]
+    nat = [signature_with(native, c) for c in calls]
     for (pk, pa), (nk, na) in zip(py, nat):
         assert pk is not None and nk is not None and pa == na
     for i, j in itertools.product(range(len(calls)), repeat=2):

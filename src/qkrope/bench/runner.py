@@ -179,9 +179,10 @@ def run_benchmark(
 
         from ..ops import _native
 
-        # The eager fast path keys calls natively once its helper is built (once per machine,
-        # in the background): wait for it, so every host time below measures the same path.
-        tick("building the native launch signature (first run on this machine: ~30 s)")
+        # With QKROPE_NATIVE=1 the eager fast path keys calls natively once its helper is built
+        # (once per machine, in the background): wait for it, so every host time below
+        # measures the same path. A no-op otherwise.
+        tick("native launch signature (QKROPE_NATIVE=1 only; a first build takes ~30 s)")
         _native.load()
         tick("measuring copy bandwidth and torch's host time per call")
         bandwidth = copy_bandwidth()

@@ -8,7 +8,10 @@ It is compiled with ``torch.utils.cpp_extension`` (a C++ compiler and ninja; ~30
 cores, cached per torch version under torch's extension directory) on a background thread the
 first time a kernel is launched outside the interpreter, so no call ever waits for the
 compiler; until it is ready, and wherever it cannot be built, the Python signature is used.
-``QKROPE_NATIVE=0`` turns it off.
+
+Opt-in for now: ``QKROPE_NATIVE=1`` turns it on. Its keys are tested against the Python ones
+on the CPU (tests/test_native.py) but it has not yet run on a GPU machine; it becomes the
+default once it has (issue 4).
 """
 
 from __future__ import annotations
@@ -28,12 +31,12 @@ _state: dict = {"fn": None, "thread": None, "error": None}
 
 
 def signature_fn():
-    """The native ``signature(*tensors)`` once built, else None (never blocks)."""
-    return _state["fn"]
+    """The native ``signature(*tensors)`` once built and enabled, else None (never blocks)."""
+    return _state["fn"] if _enabled() else None
 
 
 def _enabled() -> bool:
-    return os.environ.get("QKROPE_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
+    return os.environ.get("QKROPE_NATIVE", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _build() -> None:
@@ -49,9 +52,10 @@ def _build() -> None:
         _state["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
 
 
-def start_build() -> None:
-    """Start the background build once per process (no-op when disabled or started)."""
-    if _state["thread"] is not None or not _enabled():
+def start_build(force: bool = False) -> None:
+    """Start the background build once per process (no-op when started, or when disabled and
+    not ``force``)."""
+    if _state["thread"] is not None or not (force or _enabled()):
         return
     with _lock:
         if _state["thread"] is None:
@@ -60,10 +64,11 @@ def start_build() -> None:
             _state["thread"].start()
 
 
-def load(timeout: float | None = None):
+def load(timeout: float | None = None, force: bool = False):
     """Build (or finish building) and return the native function, or None if it cannot be
-    built; waits up to ``timeout`` seconds (None: as long as it takes)."""
-    start_build()
+    built or is disabled (unless ``force``); waits up to ``timeout`` seconds (None: as long as
+    it takes). The function is *used* by the fast path only when enabled."""
+    start_build(force)
     thread = _state["thread"]
     if thread is not None:
         thread.join(timeout)
@@ -73,7 +78,7 @@ def load(timeout: float | None = None):
 def status() -> str:
     """One line: whether the native signature is in use, being built, off, or why not."""
     if not _enabled():
-        return "off (QKROPE_NATIVE=0)"
+        return "python (native off: QKROPE_NATIVE=1 turns it on)"
     if _state["fn"] is not None:
         return "native"
     if _state["error"] is not None:
