@@ -203,7 +203,6 @@ def copy_bandwidth(nbytes: int = 2**31, iters: int = 20) -> float:
     return 2 * nbytes / statistics.median(times)
 
 
-
 @triton.jit
 def qkrope_copy_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
     """A plain streaming copy: the yardstick for moving a given number of bytes."""

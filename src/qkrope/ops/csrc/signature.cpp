@@ -48,7 +48,8 @@ static PyObject* qk_signature(PyObject*, PyObject* const* args, Py_ssize_t nargs
     Py_DECREF(addrs);
     Py_RETURN_NONE;
   }
-  PyObject* key = PyBytes_FromStringAndSize(reinterpret_cast<const char*>(buf), n * sizeof(int64_t));
+  PyObject* key =
+      PyBytes_FromStringAndSize(reinterpret_cast<const char*>(buf), n * sizeof(int64_t));
   if (!key) { Py_DECREF(addrs); return nullptr; }
   PyObject* out = PyTuple_Pack(2, key, addrs);
   Py_DECREF(key);
