@@ -9,7 +9,6 @@ qkrope/ops/_native.py) is built first if possible (~30 s on a first run) and mea
 same process, so both columns share one machine instance.
 """
 
-import os
 import time
 
 import torch
@@ -73,9 +72,9 @@ def main():
             ("trivial 3-argument Triton kernel, kernel[grid](...)",
              host_us(lambda: trivial_kernel[(1,)](x, 16, BLOCK=16)))]
 
-    os.environ["QKROPE_NATIVE"] = "0"
+    _native.set_enabled(False)
     python = [(name, host_us(fn)) for name, fn in rows(args, q_out, k_out)]
-    os.environ["QKROPE_NATIVE"] = "1"
+    _native.set_enabled(True)
     t0 = time.perf_counter()
     built = _native.load() is not None
     build_s = time.perf_counter() - t0
