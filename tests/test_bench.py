@@ -124,3 +124,17 @@ def test_same_bytes_copies_move_the_bytes():
         dst.fill_(float("nan"))
         copy()
         assert torch.equal(dst, src)
+
+
+
+def test_host_time_is_the_median_run(monkeypatch):
+    # 5 runs of 2 calls; one run disturbed (50 µs instead of 1 µs) must not move the figure.
+    from qkrope.bench import timing
+
+    monkeypatch.setattr(timing.torch.cuda, "synchronize", lambda: None)
+    clock = iter(t * 1e-6 for t in (0, 1, 1, 2, 2, 52, 52, 53, 53, 54))  # start/end of each run
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: next(clock))
+    calls = []
+    us = timing.host_time_per_call_us(lambda: calls.append(1), calls=10, batches=5)
+    assert len(calls) == 10 + 10  # warm-up calls (min(calls, 20)), then 5 runs of 2
+    assert us == pytest.approx(0.5)  # 1 µs per undisturbed run of 2 calls
