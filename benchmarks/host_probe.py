@@ -3,8 +3,9 @@ the measurement behind issue 4's host target (docs/perf-notes.md, runs 7 and 10)
 
     python benchmarks/host_probe.py            # Python signature, then the native one
 
-Each row: best of 3 runs of 3000 back-to-back calls (wall clock, synchronised at the end), for
-the 1-token decode workload (SPEC #1). The native signature (``QKROPE_NATIVE=1``,
+Each row: 3000 back-to-back calls in 3 runs (wall clock, synchronised at the end of each run),
+the median run, for the 1-token decode workload (SPEC #1). (Runs 7 and 10 of
+docs/perf-notes.md took the best run instead.) The native signature (``QKROPE_NATIVE=1``,
 qkrope/ops/_native.py) is built first if possible (~30 s on a first run) and measured in the
 same process, so both columns share one machine instance.
 """
@@ -16,24 +17,16 @@ import triton
 import triton.language as tl
 
 import qkrope
+from qkrope.bench.timing import host_time_per_call_us
 from qkrope.ops import _native
 from qkrope.ops._direct_launch import signature
 from qkrope.ops.qknorm_rope_cache import launcher
 from qkrope.suite import SUITE, make_inputs
 
 
-def host_us(fn, n=3000, runs=3):
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    best = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-        best.append((time.perf_counter() - t0) / n * 1e6)
-    return min(best)
+def host_us(fn) -> float:
+    """µs per call: 3000 back-to-back calls in 3 runs, the median run (the bench's estimator)."""
+    return host_time_per_call_us(fn, calls=3000, batches=3)
 
 
 @triton.jit
