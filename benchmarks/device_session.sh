@@ -7,8 +7,8 @@
 #   bash benchmarks/device_session.sh sweep      # --sweep vs torch.compile, 96/8 and 32/8 heads
 #   bash benchmarks/device_session.sh e2e        # Qwen3 decode step with/without the patch
 #   bash benchmarks/device_session.sh tiles      # tile sweep on the mid-size workloads
-#   bash benchmarks/device_session.sh host       # host µs per call: Python vs native signature
-#   bash benchmarks/device_session.sh native     # QKROPE_NATIVE=1: build, launcher + GPU tests
+#   bash benchmarks/device_session.sh host       # host µs per call: Python vs native helpers
+#   bash benchmarks/device_session.sh python     # QKROPE_NATIVE=0: launcher + GPU tests
 # Liger-Kernel, if wanted, travels as a wheel in .whl/ (see the device tool's README).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -37,8 +37,7 @@ case "${1:-tests}" in
   tiles) python3 benchmarks/tile_sweep.py --workloads 3,4,6,8,10 \
            --configs 16,8,1,2 8,8,2,2 16,8,2,2 8,4,2,1 32,8,1,4 4,4,4,2 2>&1 | tee "$OUT/tiles.md" ;;
   host)  python3 benchmarks/host_probe.py 2>&1 | tee "$OUT/host.md" ;;
-  native) QKROPE_NATIVE=1 python3 -m pytest -q -p no:cacheprovider tests/test_native.py \
-            tests/test_launcher.py tests/test_gpu.py tests/test_compile.py 2>&1 \
-            | tee "$OUT/pytest-native.log" | tail -5 ;;
+  python) QKROPE_NATIVE=0 python3 -m pytest -q -p no:cacheprovider tests/test_launcher.py \
+            tests/test_gpu.py tests/test_compile.py 2>&1 | tee "$OUT/pytest-python.log" | tail -5 ;;
   *) echo "unknown step $1" >&2; exit 2 ;;
 esac

@@ -1,13 +1,13 @@
 """Host µs per eager call on a GPU machine, and its parts, against torch's ``x.add_(1)``:
 the measurement behind issue 4's host target (docs/perf-notes.md, runs 7 and 10).
 
-    python benchmarks/host_probe.py            # Python signature, then the native one
+    python benchmarks/host_probe.py            # Python helpers, then the native ones
 
 Each row: 3000 back-to-back calls in 3 runs (wall clock, synchronised at the end of each run),
 the median run, for the 1-token decode workload (SPEC #1). (Runs 7 and 10 of
-docs/perf-notes.md took the best run instead.) The native signature (``QKROPE_NATIVE=1``,
-qkrope/ops/_native.py) is built first if possible (~30 s on a first run) and measured in the
-same process, so both columns share one machine instance.
+docs/perf-notes.md took the best run instead.) The fast path's native helpers (signature and
+output allocation, qkrope/ops/_native.py) are built if possible (~30 s on a first run) and
+measured in the same process as the Python ones, so both columns share one machine instance.
 """
 
 import time
@@ -19,7 +19,7 @@ import triton.language as tl
 import qkrope
 from qkrope.bench.timing import host_time_per_call_us
 from qkrope.ops import _native
-from qkrope.ops._direct_launch import signature
+from qkrope.ops._direct_launch import outputs, signature
 from qkrope.ops.qknorm_rope_cache import launcher
 from qkrope.suite import SUITE, make_inputs
 
@@ -50,9 +50,7 @@ def rows(args, q_out, k_out):
         ("  signature + plan lookup",
          lambda: launcher._PLANS.find(signature(False, (*tensors, q_out, k_out), []))),
         ("  C launch of the plan", lambda: plan.launch(addresses, 1e-6)),
-        ("  two torch.empty_like",
-         lambda: (torch.empty_like(q, memory_format=torch.contiguous_format),
-                  torch.empty_like(k, memory_format=torch.contiguous_format))),
+        ("  allocation of both outputs", lambda: outputs(q, k, None, None)),
     ]
 
 
@@ -74,8 +72,8 @@ def main():
     native = [(name, host_us(fn)) for name, fn in rows(args, q_out, k_out)] if built else []
 
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton "
-          f"{triton.__version__} | native signature: {_native.status()} ({build_s:.1f} s)")
-    print("| what | Python signature µs | × add_ | native signature µs | × add_ |")
+          f"{triton.__version__} | native helpers: {_native.status()} ({build_s:.1f} s)")
+    print("| what | Python helpers µs | × add_ | native helpers µs | × add_ |")
     print("|---|---|---|---|---|")
     for name, t in base:
         print(f"| {name} | {t:.2f} | {t / add:.2f} | | |")

@@ -72,20 +72,23 @@ class FakeJit:
         return launch
 
 
-def pin_signature(monkeypatch, native: bool) -> None:
-    """Pin the signature implementation for a test (no background build switching it)."""
-    fn = _native.load(force=True) if native else None
+def pin_helpers(monkeypatch, native: bool) -> None:
+    """Pin the fast path's helpers (signature, outputs) to native or Python for a test (no
+    background build switching them), and let plans be made although the interpreter runs."""
+    module = _native.load(force=True) if native else None
     monkeypatch.setattr(_native, "start_build", lambda force=False: None)
-    if native and fn is None:
-        pytest.skip(f"native signature unavailable: {_native.status()}")
-    monkeypatch.setattr(_native, "signature_fn", lambda: fn)
+    if native and module is None:
+        pytest.skip(f"native helpers unavailable: {_native.status()}")
+    monkeypatch.setattr(_native, "signature_fn", lambda: module and module.signature)
+    monkeypatch.setattr(_native, "outputs_fn", lambda: module and module.outputs)
+    monkeypatch.setattr(_direct_launch, "interpreting", lambda: False)
 
 
 @pytest.fixture(params=[(True, False), (False, False), (True, True)],
-                ids=["c-launch", "run", "c-launch-native-signature"])
+                ids=["c-launch", "run", "c-launch-native-helpers"])
 def fake(monkeypatch, request):
     c_launch, native = request.param
-    pin_signature(monkeypatch, native)
+    pin_helpers(monkeypatch, native)
     jit = FakeJit(c_launch)
     monkeypatch.setattr(launcher, "qknorm_rope_cache_kernel", jit)
     monkeypatch.setattr(_direct_launch, "fast_path_ok", lambda: True)
@@ -168,13 +171,13 @@ def test_direct_launch_makes_the_tensors_device_current(fake, monkeypatch):
 
 
 @pytest.fixture(params=[(True, False), (False, False), (True, True)],
-                ids=["c-launch", "run", "c-launch-native-signature"])
+                ids=["c-launch", "run", "c-launch-native-helpers"])
 def fake_paged(monkeypatch, request):
     from qkrope.ops.qknorm_rope_paged import launcher as paged
     from qkrope.ops.qknorm_rope_paged.kernel import qknorm_rope_paged_kernel
 
     c_launch, native = request.param
-    pin_signature(monkeypatch, native)
+    pin_helpers(monkeypatch, native)
     jit = FakeJit(c_launch)
     jit.arg_names = qknorm_rope_paged_kernel.arg_names
     monkeypatch.setattr(paged, "qknorm_rope_paged_kernel", jit)

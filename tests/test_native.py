@@ -1,6 +1,7 @@
-"""The native signature (qkrope/ops/csrc/signature.cpp) against the Python one it replaces:
-two calls get equal native keys exactly when they get equal Python keys, and the same
-addresses."""
+"""The native fast-path helpers (qkrope/ops/csrc/fast_path.cpp) against the Python ones they
+replace: two calls get equal native keys exactly when they get equal Python keys, and the same
+addresses; outputs are allocated as torch.empty_like(contiguous) would, given ones passed
+through."""
 
 import itertools
 import shutil
@@ -12,12 +13,17 @@ from qkrope.ops import _direct_launch, _native
 
 
 @pytest.fixture(scope="module")
-def native():
+def module():
     if shutil.which("c++") is None and shutil.which("g++") is None:
         pytest.skip("no C++ compiler")
-    fn = _native.load(force=True)  # opt-in at run time; built and tested here regardless
-    assert fn is not None, _native.status()
-    return fn
+    mod = _native.load(force=True)  # built and tested here even where QKROPE_NATIVE=0
+    assert mod is not None, _native.status()
+    return mod
+
+
+@pytest.fixture(scope="module")
+def native(module):
+    return module.signature
 
 
 def signature_with(fn, tensors):
@@ -73,3 +79,41 @@ def test_native_signature_rejects_what_the_checked_path_must_see(native):
     assert native(torch.ones(3).to_sparse()) is None  # no strides
     key, addrs = native(t, None)
     assert isinstance(key, bytes) and addrs == [t.data_ptr(), None]
+
+
+def outputs_with(fn, query, key, query_out, key_out):
+    """_direct_launch.outputs with the native function ``fn`` (None: the Python one)."""
+    orig = _native.outputs_fn
+    _native.outputs_fn = lambda: fn
+    try:
+        return _direct_launch.outputs(query, key, query_out, key_out)
+    finally:
+        _native.outputs_fn = orig
+
+
+@pytest.mark.parametrize("given", ["none", "query_out", "both"])
+def test_native_outputs_match_python(module, given):
+    v = variants()
+    query, key = v["transposed"], v["offset view (2 B: unaligned)"].half()
+    q_given = torch.empty_like(query) if given != "none" else None
+    k_given = torch.empty_like(key) if given == "both" else None
+    for fn in (None, module.outputs):
+        q_out, k_out, q_addr, k_addr = outputs_with(fn, query, key, q_given, k_given)
+        for out, like, g, addr in ((q_out, query, q_given, q_addr), (k_out, key, k_given, k_addr)):
+            if g is not None:
+                assert out is g
+            else:
+                assert out.is_contiguous()
+                assert (out.shape, out.dtype, out.device, out.requires_grad) == (
+                    like.shape, like.dtype, like.device, False)
+                assert out.data_ptr() != like.data_ptr()
+            assert type(addr) is int and addr == out.data_ptr()
+
+
+def test_native_outputs_raise_torch_errors(module):
+    """An allocation failure reaches Python as torch's exception (not a crash, not None)."""
+    huge = torch.empty(1).expand(2**62)  # 2**64 bytes: no allocator can
+    with pytest.raises(RuntimeError):
+        module.outputs(huge, huge, None, None)
+    with pytest.raises(TypeError):
+        module.outputs(huge, huge)

@@ -105,7 +105,7 @@ def environment() -> dict:
         env.update(gpu=props.name, sms=props.multi_processor_count,
                    l2_bytes=getattr(props, "L2_cache_size", None),
                    cuda=torch.version.cuda, driver=_driver_version(),
-                   launch_signature=_native.status())
+                   fast_path_helpers=_native.status())
     else:
         env.update(gpu=None, note="no CUDA device: correctness only, through Triton's interpreter")
     return env
@@ -179,10 +179,10 @@ def run_benchmark(
 
         from ..ops import _native
 
-        # With QKROPE_NATIVE=1 the eager fast path keys calls natively once its helper is built
-        # (once per machine, in the background): wait for it, so every host time below
-        # measures the same path. A no-op otherwise.
-        tick("native launch signature (QKROPE_NATIVE=1 only; a first build takes ~30 s)")
+        # The eager fast path switches to its native helpers once they are built (once per
+        # machine, in the background): wait for them, so every host time below measures the
+        # same path. A no-op with QKROPE_NATIVE=0.
+        tick("native fast-path helpers (a first build takes ~30 s; QKROPE_NATIVE=0 skips it)")
         _native.load()
         tick("measuring copy bandwidth and torch's host time per call")
         bandwidth = copy_bandwidth()
@@ -325,7 +325,7 @@ def render_markdown(report: BenchReport, main: str = "qkrope") -> str:
         lines.append("Host µs per eager call (wall clock, back-to-back calls in 5 runs, the median "
                      "run; for reference, "
                      f"torch's `x.add_(1)` takes {_f(report.add_host_us, '{:.1f}')} µs here; "
-                     f"qkrope's launch signature: {env.get('launch_signature', '?')}) and "
+                     f"qkrope's fast-path helpers: {env.get('fast_path_helpers', '?')}) and "
                      "µs per call inside a replayed CUDA graph (20 calls per graph, L2 warm):")
         lines.append("")
         head2 = ["#", "tokens"] + [f"{n} host" for n in report.impls] + [

@@ -22,13 +22,14 @@ import triton
 from .._interpret import interpreting
 from . import _native
 
-__all__ = ["Plan", "PlanCache", "signature", "fast_path_ok", "device_of"]
+__all__ = ["Plan", "PlanCache", "signature", "outputs", "fast_path_ok", "device_of"]
 
 # The raw handle of the current stream, as Triton's own launcher gets it (a tenth of the cost of
 # building a torch.cuda.Stream object per call); the public route where it is missing.
 raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream",
                      lambda index: torch.cuda.current_stream(index).cuda_stream)
-current_device = torch.cuda.current_device
+# torch.cuda.current_device() minus its lazy-init check: a plan exists only after a launch.
+current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 
 
 def device_of(t: torch.Tensor):
@@ -39,10 +40,10 @@ def device_of(t: torch.Tensor):
 
 def fast_path_ok() -> bool:
     """Direct launches skip Triton's launch hooks (e.g. its profiler), so they are used only
-    when none is installed (Triton 3.6 keeps an empty HookChain there rather than None), and
-    never in the interpreter."""
+    when none is installed (Triton 3.6 keeps an empty HookChain there rather than None). (Plans
+    are never made in the interpreter: :meth:`PlanCache.remember`.)"""
     hook = triton.knobs.runtime.launch_enter_hook
-    return not interpreting() and (hook is None or not getattr(hook, "calls", True))
+    return hook is None or not getattr(hook, "calls", True)
 
 
 def signature(options: tuple, tensors: Sequence, addresses: list) -> tuple | None:
@@ -72,6 +73,22 @@ def signature(options: tuple, tensors: Sequence, addresses: list) -> tuple | Non
     except AttributeError:
         return None
     return tuple(key)
+
+
+def outputs(query: torch.Tensor, key: torch.Tensor, query_out, key_out) -> tuple:
+    """``(query_out, key_out, query_out address, key_out address)``: each output given is
+    returned as is, each one not given (None) is allocated contiguous like ``query``/``key``.
+
+    Natively (:mod:`._native`, one C++ call) once that helper is built, else in Python.
+    """
+    native = _native.outputs_fn()
+    if native is not None:
+        return native(query, key, query_out, key_out)
+    if query_out is None:
+        query_out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    if key_out is None:
+        key_out = torch.empty_like(key, memory_format=torch.contiguous_format)
+    return query_out, key_out, query_out.data_ptr(), key_out.data_ptr()
 
 
 class Plan(NamedTuple):
@@ -132,10 +149,9 @@ class PlanCache(dict):
         """After a launch through Triton (``jit_fn[grid](*args, **meta)`` returned
         ``compiled``), keep it for ``key``; the first ``n_head`` args (tensors, then scalars)
         vary per call."""
-        if key is None or not fast_path_ok() or not hasattr(compiled, "run"):
+        if key is None or interpreting() or not fast_path_ok() or not hasattr(compiled, "run"):
             return
-        if not interpreting():
-            _native.start_build()  # in the background; later calls key natively once built
+        _native.start_build()  # in the background; later calls use it once built
         try:
             hash(key)
         except TypeError:

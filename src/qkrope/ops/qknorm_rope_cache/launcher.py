@@ -11,7 +11,7 @@ import torch
 import triton
 
 from ..._interpret import interpreting
-from .._direct_launch import PlanCache, device_of, fast_path_ok, signature
+from .._direct_launch import PlanCache, device_of, fast_path_ok, outputs, signature
 from .kernel import qknorm_rope_cache_kernel
 from .reference import valid_cache_rows
 
@@ -125,17 +125,7 @@ def outputs_like(query: torch.Tensor, key: torch.Tensor, query_out, key_out):
         _check_out("query_out", query_out, query)
     if key_out is not None:
         _check_out("key_out", key_out, key)
-    return new_outputs(query, key, query_out, key_out)
-
-
-def new_outputs(query: torch.Tensor, key: torch.Tensor, query_out, key_out):
-    """Outputs not given are allocated contiguous, like q and k (``empty_like`` parses fewer
-    arguments than ``empty``: it matters on the direct path, whose signature fixed the checks)."""
-    if query_out is None:
-        query_out = torch.empty_like(query, memory_format=torch.contiguous_format)
-    if key_out is None:
-        key_out = torch.empty_like(key, memory_format=torch.contiguous_format)
-    return query_out, key_out
+    return outputs(query, key, query_out, key_out)[:2]
 
 
 def _check_cache_position_range(cache_position: torch.Tensor, L: int) -> None:
@@ -262,8 +252,7 @@ def fused_rope_with_qk_norm_and_kv_cache_update(
             if fast_path_ok() else None)
     if plan is None or type(rms_norm_eps) is not float or not 0.0 <= rms_norm_eps < math.inf:
         return _checked_call(tensors, rms_norm_eps, query_out, key_out, hf_norm)
-    query_out, key_out = new_outputs(query, key, query_out, key_out)
-    addresses[10:] = query_out.data_ptr(), key_out.data_ptr()
+    query_out, key_out, *addresses[10:] = outputs(query, key, query_out, key_out)
     plan.launch(addresses, rms_norm_eps)
     return query_out, key_out, key_cache, value_cache
 

@@ -10,9 +10,9 @@ import torch
 import triton
 
 from ..._interpret import interpreting
-from .._direct_launch import PlanCache, device_of, fast_path_ok, signature
+from .._direct_launch import PlanCache, device_of, fast_path_ok, outputs, signature
 from ..qknorm_rope_cache.launcher import (
-    ACTIVATION_DTYPES, INDEX_DTYPES, NORM_ROUNDINGS, _shape, _tensor, new_outputs, outputs_like,
+    ACTIVATION_DTYPES, INDEX_DTYPES, NORM_ROUNDINGS, _shape, _tensor, outputs_like,
 )
 from .kernel import qknorm_rope_paged_kernel
 from .reference import FP8_MAX
@@ -201,10 +201,9 @@ def fused_qk_norm_rope_paged(
              *(s if isinstance(s, torch.Tensor) else None for s in scales)), addresses)
     plan = _PLANS.find(key_of_call) if fast_path_ok() else None
     if plan is not None and type(rms_norm_eps) is float and 0.0 <= rms_norm_eps < math.inf:
-        query_out, key_out = new_outputs(query, key, query_out, key_out)
-        addresses[10:] = (query_out.data_ptr(), key_out.data_ptr(),
-                          *[(inv_freq if s is None else _device_scale(s, query.device)).data_ptr()
-                            for s in scales])
+        query_out, key_out, *addresses[10:] = outputs(query, key, query_out, key_out)
+        addresses += [(inv_freq if s is None else _device_scale(s, query.device)).data_ptr()
+                      for s in scales]
         plan.launch(addresses, rms_norm_eps)
         return query_out, key_out
 

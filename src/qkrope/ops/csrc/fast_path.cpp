@@ -1,4 +1,5 @@
-// Native argument signature for the direct-launch fast path (see ../_native.py).
+// Native helpers of the direct-launch fast path (see ../_native.py): the call's signature and
+// its fresh outputs, each in one C++ call instead of dozens of Python attribute reads.
 //
 // signature(*args) reads, for each argument, what Triton specialises on and what the ops' checks
 // look at -- dtype, device, sizes, strides, 16-byte alignment of the data pointer -- straight
@@ -8,7 +9,9 @@
 // subclass, a non-tensor) or a tensor without strides gives None: the checked path handles it.
 
 #include <torch/extension.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/utils/object_ptr.h>
 
 static PyObject* qk_signature(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   constexpr size_t CAP = 512;  // int64 words: 6 + 2 * ndim per tensor, far above 16 tensors
@@ -57,9 +60,42 @@ static PyObject* qk_signature(PyObject*, PyObject* const* args, Py_ssize_t nargs
   return out;
 }
 
+// outputs(query, key, query_out, key_out) -> (query_out, key_out, address, address): each
+// output not given (None) is allocated contiguous with the shape and options of its input, as
+// torch.empty_like(x, memory_format=torch.contiguous_format) does, minus Python's argument
+// parsing (~4 us per call on the H200 test host). Called only after signature() accepted all
+// four, so each is a plain tensor or None.
+static PyObject* qk_outputs(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS  // c10 errors (e.g. out of memory) reach Python as torch's own exceptions
+  if (nargs != 4) {
+    PyErr_SetString(PyExc_TypeError, "outputs(query, key, query_out, key_out)");
+    return nullptr;
+  }
+  THPObjectPtr outs[2];
+  unsigned long long addrs[2];
+  for (int i = 0; i < 2; ++i) {
+    PyObject* given = args[2 + i];
+    if (given != Py_None) {
+      addrs[i] = reinterpret_cast<uintptr_t>(THPVariable_Unpack(given).const_data_ptr());
+      Py_INCREF(given);
+      outs[i] = given;
+    } else {
+      const at::Tensor& like = THPVariable_Unpack(args[i]);
+      at::Tensor t = at::empty(like.sizes(), like.options());
+      addrs[i] = reinterpret_cast<uintptr_t>(t.const_data_ptr());
+      outs[i] = THPVariable_Wrap(std::move(t));
+      if (!outs[i]) return nullptr;
+    }
+  }
+  return Py_BuildValue("(NNKK)", outs[0].release(), outs[1].release(), addrs[0], addrs[1]);
+  END_HANDLE_TH_ERRORS
+}
+
 static PyMethodDef methods[] = {
     {"signature", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(qk_signature)),
      METH_FASTCALL, "signature(*tensors) -> (bytes, list of addresses) | None"},
+    {"outputs", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(qk_outputs)),
+     METH_FASTCALL, "outputs(query, key, query_out, key_out) -> (query_out, key_out, int, int)"},
     {nullptr, nullptr, 0, nullptr}};
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
