@@ -49,7 +49,7 @@ def rows(args, q_out, k_out):
         ("qkrope, outputs allocated", lambda: f(*args)),
         ("  signature + plan lookup",
          lambda: launcher._PLANS.find(signature(False, (*tensors, q_out, k_out), []))),
-        ("  C launch of the plan", lambda: plan.launch(addresses, 1e-6)),
+        ("  launch of the plan", lambda: plan.launch(addresses, 1e-6)),
         ("  allocation of both outputs", lambda: outputs(q, k, None, None)),
     ]
 

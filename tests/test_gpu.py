@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import Case, make_inputs, run_and_check
+from helpers import Case, make_inputs, poisoned_like, run_and_check
 
 import qkrope
 import qkrope.suite
@@ -83,6 +83,48 @@ def test_fast_launch_path_is_used_and_respects_specialization():
     assert q_misaligned.data_ptr() % 16 != 0
     run_and_check((q_misaligned, *args[1:]), use_out=False)
     assert len(launcher._PLANS) == n + 1
+
+
+def test_native_launch_plans_are_used_and_exact():
+    """Once the native helpers are built, plans launch through them (cuLaunchKernel from C++)
+    under the same rule; also from a thread that never used CUDA (the launcher makes the
+    device's primary context current there)."""
+    import threading
+
+    from qkrope.ops import _direct_launch, _native
+    from qkrope.ops.qknorm_rope_cache import launcher
+
+    if not _native.enabled():
+        pytest.skip("QKROPE_NATIVE=0")
+    module = _native.load()
+    assert module is not None, _native.status()
+    args = make_inputs(Case(B=2, Hq=8, Hkv=2, S=9, D=128, L=64, start=40, noncontig=True),
+                       device="cuda")
+    launcher._PLANS.clear()
+    run_and_check(args)  # the checked path makes the plan
+    (plan,) = launcher._PLANS.values()
+    assert plan.run is module.launch, "the native launcher was not used"
+    run_and_check(args)  # through it
+
+    expected = qkrope.run(*args, query_out=poisoned_like(args[0]), key_out=poisoned_like(args[1]))
+    q_out, k_out = poisoned_like(args[0]), poisoned_like(args[1])
+    addresses = []
+    assert launcher._PLANS.find(
+        _direct_launch.signature(False, (*args[:10], q_out, k_out), addresses)) is plan
+    errors = []
+
+    def worker():
+        try:
+            plan.launch(addresses, args[10])
+        except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
+            errors.append(e)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert not errors, errors
+    torch.cuda.synchronize()
+    assert torch.equal(q_out, expected[0]) and torch.equal(k_out, expected[1])
 
 
 def test_cuda_graph_decode_loop_matches_eager():

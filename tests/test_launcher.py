@@ -81,6 +81,7 @@ def pin_helpers(monkeypatch, native: bool) -> None:
         pytest.skip(f"native helpers unavailable: {_native.status()}")
     monkeypatch.setattr(_native, "signature_fn", lambda: module and module.signature)
     monkeypatch.setattr(_native, "outputs_fn", lambda: module and module.outputs)
+    monkeypatch.setattr(_native, "module", lambda: module)
     monkeypatch.setattr(_direct_launch, "interpreting", lambda: False)
 
 

@@ -117,3 +117,36 @@ def test_native_outputs_raise_torch_errors(module):
         module.outputs(huge, huge, None, None)
     with pytest.raises(TypeError):
         module.outputs(huge, huge)
+
+
+def test_param_kinds_follow_tritons_abi():
+    sig = {"q": "*bf16", "pos": "*i64", "eps": "fp32", "S": "i32", "L": "i64", "one": "constexpr",
+           "flag": "i1", "u": "u64", "BLOCK": "constexpr"}
+    assert _direct_launch.param_kinds(sig) == "ppfilcbLcpp"  # + global and profile scratch
+    assert _direct_launch.param_kinds({"x": "fp16"}) is None  # scalars it does not pack
+    assert _direct_launch.param_kinds({"d": ("*bf16", "i32")}) is None  # tuples
+
+
+def test_native_launch_plan_packs_parameters(module):
+    """make_launch + params: the bytes a launch passes are the arguments at their C sizes, the
+    per-call ones from each call, constexprs left out, scratch pointers null."""
+    import struct
+
+    kinds = "ppfilcbLhHIBdpp"
+    values = (None, None, None, 7, -(2**40), "ignored", 1, 2**63 + 5, -3, 65535, 2**31, 255,
+              0.1, None, None)
+    plan = module.make_launch(0, 4, 2, 1, 128, 0, 0, kinds, values, 3, False)
+    for a, b, eps in ((0x7F00_0000_0010, None, 1e-6), (16, 2**64 - 16, 3.5)):
+        expected = struct.pack("<QQfiqbQhHIBdQQ", a, b or 0, eps, 7, -(2**40), 1, 2**63 + 5, -3,
+                               65535, 2**31, 255, 0.1, 0, 0)
+        assert module.params(plan, a, b, eps) == expected
+    with pytest.raises(TypeError):
+        module.params(plan, 16, 16)  # per-call arity is fixed by the plan
+    with pytest.raises(OverflowError):
+        module.make_launch(0, 1, 1, 1, 32, 0, 0, "pi", (None, 2**31), 1, False)
+    with pytest.raises(OverflowError):
+        module.params(plan, -16, None, 1.0)  # an address is unsigned
+    with pytest.raises(ValueError):
+        module.make_launch(0, 1, 1, 1, 32, 0, 0, "pz", (None, 1), 1, False)
+    # With the driver check: no plan for a function the driver does not know (nor without one).
+    assert module.make_launch(0, 1, 1, 1, 32, 0, 0, "pp", (None, None), 0) is None

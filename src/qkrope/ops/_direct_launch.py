@@ -22,7 +22,8 @@ import triton
 from .._interpret import interpreting
 from . import _native
 
-__all__ = ["Plan", "PlanCache", "signature", "outputs", "fast_path_ok", "device_of"]
+__all__ = ["Plan", "PlanCache", "signature", "outputs", "param_kinds", "fast_path_ok",
+           "device_of"]
 
 # The raw handle of the current stream, as Triton's own launcher gets it (a tenth of the cost of
 # building a torch.cuda.Stream object per call); the public route where it is missing.
@@ -95,28 +96,76 @@ class Plan(NamedTuple):
     """A compiled kernel bound to one signature: launch it with the per-call arguments (the
     tensors' addresses, then the runtime scalars before ``tail``)."""
 
-    run: Callable                # Triton's C launch function, or CompiledKernel.run
-    grid: tuple[int, int, int]
-    middle: tuple                # the arguments between the stream and the kernel's own
-    tail: tuple                  # the remaining launch arguments, constexprs included
+    run: Callable     # the native launch, Triton's C launch function, or CompiledKernel.run
+    head: tuple       # the arguments before the stream: the native plan, or Triton's grid
+    middle: tuple     # the arguments between the stream and the kernel's own
+    tail: tuple       # the remaining launch arguments, constexprs included (Triton only)
     device_index: int
 
     def launch(self, addresses: list, *scalars) -> None:
         # Raw addresses, not tensors: for a tensor Triton's launcher calls data_ptr() and asks
         # the driver (cuPointerGetAttribute) where it lives; the signature fixed the device.
         if current_device() == self.device_index:
-            self.run(*self.grid, raw_stream(self.device_index), *self.middle, *addresses,
+            self.run(*self.head, raw_stream(self.device_index), *self.middle, *addresses,
                      *scalars, *self.tail)
         else:  # a launch goes to the current device: make the tensors' device current
             with torch.cuda.device(self.device_index):
-                self.run(*self.grid, raw_stream(self.device_index), *self.middle, *addresses,
+                self.run(*self.head, raw_stream(self.device_index), *self.middle, *addresses,
                          *scalars, *self.tail)
 
 
-def _bind(compiled) -> tuple[Callable, tuple]:
-    """The cheapest callable that launches ``compiled`` and the arguments it takes between the
-    stream and the kernel's: Triton 3.6's C ``launch`` when the kernel needs no scratch
-    memory (that is all the Python ``CudaLauncher.__call__`` adds), else ``compiled.run``."""
+# Triton scalar type -> the native launcher's parameter kind (csrc/fast_path.cpp, kind_size).
+_KINDS = {"i1": "b", "i8": "b", "i16": "h", "i32": "i", "i64": "l", "u1": "B", "u8": "B",
+          "u16": "H", "u32": "I", "u64": "L", "fp32": "f", "f32": "f", "fp64": "d",
+          "constexpr": "c"}
+
+
+def param_kinds(signature: dict) -> str | None:
+    """The native launcher's kinds for a kernel compiled by Triton 3.6 with ``signature``
+    (``CompiledKernel.src.signature``: argument name -> type, in argument order, constexprs
+    included): one kind per argument, then two null pointers for the global and profile
+    scratch buffers Triton appends to every kernel. None for types it does not pack (tuples,
+    tensor descriptors, fp16/bf16 scalars). The driver checks the result against the kernel's
+    own parameter table (``cuFuncGetParamInfo``) before any launch."""
+    kinds = []
+    for ty in signature.values():
+        if isinstance(ty, str) and ty.startswith("*"):
+            kinds.append("p")
+        elif isinstance(ty, str) and ty in _KINDS:
+            kinds.append(_KINDS[ty])
+        else:
+            return None
+    return "".join(kinds) + "pp"
+
+
+def _native_plan(compiled, grid: tuple, launch_args: tuple, n_head: int, device_index: int):
+    """A native launch plan for ``compiled`` (csrc/fast_path.cpp), or None where the native
+    helpers are not built, the kernel needs what Triton's launcher adds (scratch memory,
+    clusters, cooperative or PDL launches), or the driver's parameter table disagrees."""
+    module = _native.module()
+    runner, md = getattr(compiled, "run", None), getattr(compiled, "metadata", None)
+    signature = getattr(getattr(compiled, "src", None), "signature", None)
+    if module is None or not isinstance(signature, dict) or len(signature) != len(launch_args):
+        return None
+    if (getattr(md, "num_ctas", None) != 1 or getattr(runner, "launch_cooperative_grid", 1)
+            or getattr(runner, "launch_pdl", 1) or getattr(runner, "global_scratch_size", 1)
+            or getattr(runner, "profile_scratch_size", 1)):
+        return None
+    kinds = param_kinds(signature)
+    if kinds is None:
+        return None
+    return module.make_launch(compiled.function, *grid, 32 * md.num_warps, md.shared,
+                              device_index, kinds, (*launch_args, None, None), n_head)
+
+
+def _bind(compiled, grid: tuple, launch_args: tuple, n_head: int, device_index: int):
+    """``(run, head, middle, tail)`` of the cheapest way to launch ``compiled``: the native
+    launcher once built; else Triton 3.6's C ``launch`` when the kernel needs no scratch memory
+    (that is all the Python ``CudaLauncher.__call__`` adds); else ``compiled.run``."""
+    native = _native_plan(compiled, grid, launch_args, n_head, device_index)
+    if native is not None:
+        return _native.module().launch, (native,), (), ()
+    tail = launch_args[n_head:]
     runner = compiled.run
     c_launch = getattr(runner, "launch", None)
     plain = (getattr(runner, "global_scratch_size", 1) == 0
@@ -124,9 +173,10 @@ def _bind(compiled) -> tuple[Callable, tuple]:
              and c_launch is not None
              and not isinstance(c_launch, types.FunctionType))  # not Triton's Python wrapper
     if plain:
-        return c_launch, (compiled.function, runner.launch_cooperative_grid, runner.launch_pdl,
-                          None, None, compiled.packed_metadata, None, None, None)
-    return runner, (compiled.function, compiled.packed_metadata, None, None, None)
+        return c_launch, grid, (compiled.function, runner.launch_cooperative_grid,
+                                runner.launch_pdl, None, None, compiled.packed_metadata, None,
+                                None, None), tail
+    return runner, grid, (compiled.function, compiled.packed_metadata, None, None, None), tail
 
 
 class PlanCache(dict):
@@ -160,6 +210,6 @@ class PlanCache(dict):
             self.clear()
         # Constexpr parameters are passed too, in parameter order, after the runtime ones.
         constexprs = (meta[n] for n in jit_fn.arg_names[len(args):])
-        grid = (*grid, 1, 1)[:3]  # the launcher takes all three grid dimensions
-        run, middle = _bind(compiled)
-        self[key] = Plan(run, grid, middle, (*args[n_head:], *constexprs), device_index)
+        grid = (*grid, 1, 1)[:3]  # the launchers take all three grid dimensions
+        self[key] = Plan(*_bind(compiled, grid, (*args, *constexprs), n_head, device_index),
+                         device_index)

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["signature_fn", "outputs_fn", "start_build", "load", "status", "set_enabled"]
+__all__ = ["signature_fn", "outputs_fn", "module", "enabled", "start_build", "load", "status",
+           "set_enabled"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "fast_path.cpp"
 _lock = threading.Lock()
@@ -46,12 +47,20 @@ def outputs_fn():
     return _state["outputs"] if _state["enabled"] else None
 
 
+def module():
+    """The native module (``signature``, ``outputs``, ``make_launch``, ``launch``) once built
+    and enabled, else None (never blocks)."""
+    return _state["module"] if _state["enabled"] else None
+
+
 def set_enabled(on: bool) -> None:
     """Turn the native signature on or off for this process (``QKROPE_NATIVE`` at import)."""
     _state["enabled"] = bool(on)
 
 
-def _enabled() -> bool:
+def enabled() -> bool:
+    """Whether the native helpers are on for this process (``QKROPE_NATIVE``,
+    :func:`set_enabled`)."""
     return _state["enabled"]
 
 
@@ -61,11 +70,12 @@ def _build() -> None:
 
         src = _SOURCE.read_text()
         tag = hashlib.sha1((src + torch.__version__).encode()).hexdigest()[:12]
-        module = load_inline(name=f"qkrope_native_{tag}", cpp_sources=[src],
-                             extra_cflags=["-O2"], verbose=False)
-        _state["module"] = module
-        _state["outputs"] = module.outputs
-        _state["signature"] = module.signature
+        mod = load_inline(name=f"qkrope_native_{tag}", cpp_sources=[src],
+                          extra_cflags=["-O2"], extra_ldflags=["-ldl"], verbose=False)
+        # The module first: plans keyed natively from now on can also launch natively.
+        _state["module"] = mod
+        _state["outputs"] = mod.outputs
+        _state["signature"] = mod.signature
     except Exception as e:  # no compiler, no ninja, no headers: stay on the Python path
         _state["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
 
@@ -73,7 +83,7 @@ def _build() -> None:
 def start_build(force: bool = False) -> None:
     """Start the background build once per process (no-op when started, or when disabled and
     not ``force``)."""
-    if _state["thread"] is not None or not (force or _enabled()):
+    if _state["thread"] is not None or not (force or enabled()):
         return
     with _lock:
         if _state["thread"] is None:
@@ -96,7 +106,7 @@ def load(timeout: float | None = None, force: bool = False):
 
 def status() -> str:
     """One line: whether the native helpers are in use, being built, off, or why not."""
-    if not _enabled():
+    if not enabled():
         return "python (native off: QKROPE_NATIVE=0)"
     if _state["module"] is not None:
         return "native"
