@@ -15,11 +15,10 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session", autouse=True)
 def native_helpers_ready():
-    """On a GPU machine, wait for the fast path's native helpers (built in the background on
-    first use) before any test, so every GPU test runs one path: native unless
-    QKROPE_NATIVE=0 (that run covers the Python helpers and Triton's launcher)."""
-    if torch.cuda.is_available():
-        from qkrope.ops import _native
+    """Wait for the fast path's native helpers (built in the background on a GPU machine's
+    first launch; ~30 s on two cores) before any test, so every test runs one path: native
+    unless QKROPE_NATIVE=0 (that run covers the Python helpers and Triton's launcher)."""
+    from qkrope.ops import _native
 
-        _native.load()
+    _native.load()
     yield

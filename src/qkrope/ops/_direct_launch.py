@@ -22,8 +22,8 @@ import triton
 from .._interpret import interpreting
 from . import _native
 
-__all__ = ["Plan", "PlanCache", "signature", "outputs", "param_kinds", "fast_path_ok",
-           "device_of"]
+__all__ = ["Plan", "PlanCache", "signature", "new_outputs", "outputs", "param_kinds",
+           "fast_path_ok", "device_of"]
 
 # The raw handle of the current stream, as Triton's own launcher gets it (a tenth of the cost of
 # building a torch.cuda.Stream object per call); the public route where it is missing.
@@ -76,19 +76,24 @@ def signature(options: tuple, tensors: Sequence, addresses: list) -> tuple | Non
     return tuple(key)
 
 
-def outputs(query: torch.Tensor, key: torch.Tensor, query_out, key_out) -> tuple:
-    """``(query_out, key_out, query_out address, key_out address)``: each output given is
-    returned as is, each one not given (None) is allocated contiguous like ``query``/``key``.
-
-    Natively (:mod:`._native`, one C++ call) once that helper is built, else in Python.
-    """
-    native = _native.outputs_fn()
-    if native is not None:
-        return native(query, key, query_out, key_out)
+def new_outputs(query: torch.Tensor, key: torch.Tensor, query_out, key_out) -> tuple:
+    """``(query_out, key_out)``: each output given is returned as is, each one not given (None)
+    is allocated contiguous like ``query``/``key``. Plain torch calls: traceable (the checked
+    path runs under torch.compile too)."""
     if query_out is None:
         query_out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if key_out is None:
         key_out = torch.empty_like(key, memory_format=torch.contiguous_format)
+    return query_out, key_out
+
+
+def outputs(query: torch.Tensor, key: torch.Tensor, query_out, key_out) -> tuple:
+    """:func:`new_outputs` plus both outputs' addresses, for a direct launch: natively
+    (:mod:`._native`, one C++ call, never traced) once that helper is built, else in Python."""
+    native = _native.outputs_fn()
+    if native is not None:
+        return native(query, key, query_out, key_out)
+    query_out, key_out = new_outputs(query, key, query_out, key_out)
     return query_out, key_out, query_out.data_ptr(), key_out.data_ptr()
 
 

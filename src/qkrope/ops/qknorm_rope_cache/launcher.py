@@ -11,7 +11,9 @@ import torch
 import triton
 
 from ..._interpret import interpreting
-from .._direct_launch import PlanCache, device_of, fast_path_ok, outputs, signature
+from .._direct_launch import (
+    PlanCache, device_of, fast_path_ok, new_outputs, outputs, signature,
+)
 from .kernel import qknorm_rope_cache_kernel
 from .reference import valid_cache_rows
 
@@ -125,7 +127,7 @@ def outputs_like(query: torch.Tensor, key: torch.Tensor, query_out, key_out):
         _check_out("query_out", query_out, query)
     if key_out is not None:
         _check_out("key_out", key_out, key)
-    return outputs(query, key, query_out, key_out)[:2]
+    return new_outputs(query, key, query_out, key_out)
 
 
 def _check_cache_position_range(cache_position: torch.Tensor, L: int) -> None:
