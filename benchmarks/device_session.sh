@@ -9,6 +9,8 @@
 #   bash benchmarks/device_session.sh tiles      # tile sweep on the mid-size workloads
 #   bash benchmarks/device_session.sh host       # host µs per call: Python vs native helpers
 #   bash benchmarks/device_session.sh python     # QKROPE_NATIVE=0: launcher + GPU tests
+#   bash benchmarks/device_session.sh launch     # native vs Triton launch route, GPU + host µs
+#   bash benchmarks/device_session.sh quick      # qkrope bench, qkrope only (~80 s)
 # Liger-Kernel, if wanted, travels as a wheel in .whl/ (see the device tool's README).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -39,5 +41,7 @@ case "${1:-tests}" in
   host)  python3 benchmarks/host_probe.py 2>&1 | tee "$OUT/host.md" ;;
   python) QKROPE_NATIVE=0 python3 -m pytest -q -p no:cacheprovider tests/test_launcher.py \
             tests/test_gpu.py tests/test_compile.py 2>&1 | tee "$OUT/pytest-python.log" | tail -5 ;;
+  launch) python3 benchmarks/launch_ab.py 2>&1 | tee "$OUT/launch.md" ;;
+  quick) python3 -m qkrope bench --impl qkrope --json "$OUT/quick.json" 2>&1 | tee "$OUT/quick.md" ;;
   *) echo "unknown step $1" >&2; exit 2 ;;
 esac
