@@ -54,7 +54,8 @@ def fake_report(timed=True):
     ws = []
     for i, (w, t) in enumerate(zip(SUITE[:3], (2.0, 3.0, 6.0)), 1):
         impls = {
-            "qkrope": ImplResult(True, 1.0, 0.0, t, t * 0.9, t * 1.1, 9.0, t * 0.8),
+            "qkrope": ImplResult(True, 1.0, 0.0, t, t * 0.9, t * 1.1, 9.0, t * 0.8,
+                                 host_add_ratio=0.9),
             "eager": ImplResult(True, 1.0, 0.0, 100 * t, 90 * t, 110 * t, 300.0, None),
         }
         ws.append(WorkloadResult(i, w.seq_len, w.cache_len, w.batch, w.atol, w.tokens,
@@ -77,7 +78,8 @@ def test_render_markdown_table_and_geomean():
     assert "copy of the same bytes 1.50" in text
     assert "100.0×" in text and "skipped liger: liger-kernel is not installed" in text
     assert f"qkrope {rep.geomean('qkrope'):.2f}" in text
-    assert "`x.add_(1)` takes 10.0 µs" in text
+    assert "add_ alone took 10.0 µs" in text
+    assert "| 1 | 1 | 9.0 | 0.90 | 300.0 | — | 1.60 | — |" in text  # host, × add_, graph
 
 
 def test_json_and_plot(tmp_path):
@@ -138,3 +140,21 @@ def test_host_time_is_the_median_run(monkeypatch):
     us = timing.host_time_per_call_us(lambda: calls.append(1), calls=10, batches=5)
     assert len(calls) == 10 + 10  # warm-up calls (min(calls, 20)), then 5 runs of 2
     assert us == pytest.approx(0.5)  # 1 µs per undisturbed run of 2 calls
+
+
+def test_host_time_beside_a_reference_alternates_runs(monkeypatch):
+    # 3 runs each of ref (r) and fn (f), alternating r f r f r f; the host slows down 3x during
+    # the second pair: the ratio of each pair stays 2, so the median ratio is 2.
+    from qkrope.bench import timing
+
+    monkeypatch.setattr(timing.torch.cuda, "synchronize", lambda: None)
+    ends = [1, 3, 6, 12, 13, 15]  # run durations (µs): r=1 f=2 | r=3 f=6 | r=1 f=2
+    clock = iter(t * 1e-6 for e0, e1 in zip([0] + ends, ends) for t in (e0, e1))
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: next(clock))
+    order = []
+    fn_us, ref_us, ratio = timing.host_times_beside_us(lambda: order.append("f"),
+                                                       lambda: order.append("r"),
+                                                       calls=3, batches=3)
+    assert order[:6] == ["r", "f"] * 3  # warm-up, alternating
+    assert order[6:] == ["r", "f"] * 3  # one call per run, reference first
+    assert (fn_us, ref_us, ratio) == (pytest.approx(2), pytest.approx(1), pytest.approx(2))

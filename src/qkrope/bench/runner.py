@@ -8,6 +8,7 @@ objects, so it is tested without a GPU.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import math
 import platform
@@ -45,6 +46,7 @@ class ImplResult:
     host_us: float | None = None
     graph_us: float | None = None
     error: str | None = None
+    host_add_ratio: float | None = None        # host_us / x.add_(1), runs alternating
 
 
 @dataclass
@@ -173,7 +175,7 @@ def run_benchmark(
     skipped.update(unavailable)
     tick = progress or (lambda msg: None)
 
-    bandwidth = flush = add_host = None
+    bandwidth = flush = add_host = add_one = None
     if timed:
         from .timing import L2Flusher, copy_bandwidth, host_time_per_call_us
 
@@ -189,6 +191,7 @@ def run_benchmark(
         flush = L2Flusher()
         x = torch.zeros(16, device="cuda")
         add_host = host_time_per_call_us(lambda: x.add_(1), host_calls)
+        add_one = functools.partial(x.add_, 1)
 
     gen = torch.Generator(device=device).manual_seed(seed)
     results = []
@@ -213,7 +216,8 @@ def run_benchmark(
             try:
                 res = _check(fn(*call_args), ref, w.atol)
                 if timed:
-                    _time_into(res, fn, call_args, flush, iters, warmup, host_calls, graphs)
+                    _time_into(res, fn, call_args, flush, iters, warmup, host_calls, graphs,
+                               add_one)
             except Exception as e:  # one failing implementation must not end the run
                 res = ImplResult(error=f"{type(e).__name__}: {e}".splitlines()[0][:300])
             wr.impls[name] = res
@@ -233,15 +237,17 @@ def run_benchmark(
     )
 
 
-def _time_into(res: ImplResult, fn, args, flush, iters, warmup, host_calls, graphs) -> None:
-    from .timing import cupti_call_times_us, graph_replay_time_us, host_time_per_call_us, summarize
+def _time_into(res: ImplResult, fn, args, flush, iters, warmup, host_calls, graphs,
+               reference) -> None:
+    from .timing import cupti_call_times_us, graph_replay_time_us, host_times_beside_us, summarize
 
     def call():
         return fn(*args)
 
     stats = summarize(cupti_call_times_us(call, flush, iters=iters, warmup=warmup))
     res.median_us, res.p20_us, res.p80_us = stats.median, stats.p20, stats.p80
-    res.host_us = host_time_per_call_us(call, host_calls)
+    # Beside x.add_(1), runs alternating: the host's speed drifts within one bench run.
+    res.host_us, _, res.host_add_ratio = host_times_beside_us(call, reference, host_calls)
     if graphs:
         try:
             res.graph_us = graph_replay_time_us(call)
@@ -322,19 +328,23 @@ def render_markdown(report: BenchReport, main: str = "qkrope") -> str:
             [f"floor {_f(fg)}", f"copy of the same bytes {_f(report.copy_geomean())}"]
             + [f"{n} {_f(gm[n])}" for n in report.impls]))
         lines.append("")
-        lines.append("Host µs per eager call (wall clock, back-to-back calls in 5 runs, the median "
-                     "run; for reference, "
-                     f"torch's `x.add_(1)` takes {_f(report.add_host_us, '{:.1f}')} µs here; "
+        lines.append("Host µs per eager call (wall clock, outputs allocated by the call; "
+                     f"{report.settings.get('host_calls', '?')} back-to-back calls in 10 runs "
+                     "alternating with runs of torch's `x.add_(1)` on a 16-element tensor: the "
+                     "median run, and × add_ = the median ratio of a run to the add_ run before "
+                     f"it; add_ alone took {_f(report.add_host_us, '{:.1f}')} µs at the start; "
                      f"qkrope's fast-path helpers: {env.get('fast_path_helpers', '?')}) and "
                      "µs per call inside a replayed CUDA graph (20 calls per graph, L2 warm):")
         lines.append("")
-        head2 = ["#", "tokens"] + [f"{n} host" for n in report.impls] + [
+        head2 = ["#", "tokens"] + [h for n in report.impls for h in (f"{n} host",
+                                                                     f"{n} × add_")] + [
             f"{n} graph" for n in report.impls]
         lines.append("| " + " | ".join(head2) + " |")
         lines.append("|" + "---|" * len(head2))
         for w in report.workloads:
             row = [str(w.index), str(w.tokens)]
-            row += [_f(w.impls[n].host_us, "{:.1f}") for n in report.impls]
+            row += [c for n in report.impls for c in (_f(w.impls[n].host_us, "{:.1f}"),
+                                                       _f(w.impls[n].host_add_ratio))]
             row += [_f(w.impls[n].graph_us) for n in report.impls]
             lines.append("| " + " | ".join(row) + " |")
     else:

@@ -135,6 +135,15 @@ def cupti_call_times_us(fn: Callable[[], object], flush: L2Flusher, *, iters: in
     return times
 
 
+def _run_us(fn: Callable[[], object], n: int) -> float:
+    """µs per call of ``n`` back-to-back calls, synchronised at the end."""
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
 def host_time_per_call_us(fn: Callable[[], object], calls: int = 2000,
                           batches: int = 5) -> float:
     """Wall-clock µs per call of back-to-back eager calls (what an eager caller waits for when
@@ -145,14 +154,26 @@ def host_time_per_call_us(fn: Callable[[], object], calls: int = 2000,
         fn()
     torch.cuda.synchronize()
     per_batch = max(calls // batches, 1)
-    times = []
+    return statistics.median(_run_us(fn, per_batch) for _ in range(batches))
+
+
+def host_times_beside_us(fn: Callable[[], object], reference: Callable[[], object],
+                         calls: int = 2000, batches: int = 10) -> tuple[float, float, float]:
+    """``(fn µs, reference µs, fn / reference)`` per call: ``calls`` calls of each in
+    ``batches`` runs, alternating reference and fn, so both see the same host state (a shared
+    host's speed drifts by 1.5x within seconds); the median run of each and the median of the
+    ratios of each run of ``fn`` to the run of ``reference`` just before it."""
+    for _ in range(min(calls, 20)):
+        reference()
+        fn()
+    torch.cuda.synchronize()
+    per_batch = max(calls // batches, 1)
+    ref_us, fn_us = [], []
     for _ in range(batches):
-        t0 = time.perf_counter()
-        for _ in range(per_batch):
-            fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) / per_batch * 1e6)
-    return statistics.median(times)
+        ref_us.append(_run_us(reference, per_batch))
+        fn_us.append(_run_us(fn, per_batch))
+    ratio = statistics.median(f / r for f, r in zip(fn_us, ref_us))
+    return statistics.median(fn_us), statistics.median(ref_us), ratio
 
 
 def graph_replay_time_us(fn: Callable[[], object], calls_per_graph: int = 20,
