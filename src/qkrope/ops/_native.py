@@ -1,17 +1,19 @@
 """The native helpers of the direct-launch fast path: built once per machine, in the
 background, used once ready.
 
-Python reads a call's 60 tensor attributes (shape, strides, dtype, device, address of 12
-tensors) in ~19 µs on the H200 test host and allocates the two outputs in ~10 µs, more than the
-launch itself; ``csrc/fast_path.cpp`` reads the signature from the TensorImpls in one call
-(1.7 µs there) and allocates the outputs with ``at::empty``. It is compiled with
-``torch.utils.cpp_extension`` (a C++ compiler and ninja; ~30 s on two cores, cached per torch
-version and source under torch's extension directory) on a background thread the first time a
-kernel is launched outside the interpreter, so no call ever waits for the compiler; until it is
-ready, and wherever it cannot be built, the Python helpers are used (same keys, same outputs:
-tests/test_native.py).
+In Python, an eager call's fast path spends ~14 µs reading 60 tensor attributes (shape,
+strides, dtype, device, address of 12 tensors) for its signature, ~8 µs allocating the two
+outputs and ~7.6 µs in Triton's C launcher, which parses an ~80-argument tuple per call (H200
+test host, where ``x.add_(1)`` takes ~10 µs). ``csrc/fast_path.cpp`` does each in one C++ call:
+signature 1.4 µs, outputs 2.8 µs, launch 4.9 µs (``cuLaunchKernel`` on parameters packed once
+per plan; docs/perf-notes.md, run 13). It is compiled with ``torch.utils.cpp_extension`` (a
+C++ compiler and ninja; ~30 s on two cores, cached per torch version and source under torch's
+extension directory) on a background thread the first time a kernel is launched outside the
+interpreter, so no call ever waits for the compiler; until it is ready, and wherever it cannot
+be built, the Python helpers and Triton's launcher are used (same keys, same outputs:
+tests/test_native.py; same kernel, same GPU time: benchmarks/launch_ab.py).
 
-On by default; ``QKROPE_NATIVE=0`` keeps the Python helpers (and never starts a compiler).
+On by default; ``QKROPE_NATIVE=0`` keeps the Python route (and never starts a compiler).
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ def start_build(force: bool = False) -> None:
 
 def load(timeout: float | None = None, force: bool = False):
     """Build (or finish building) and return the native module (``.signature``,
-    ``.outputs``), or None if it cannot be built or is disabled (unless ``force``); waits up to
+    ``.outputs``, ``.make_launch``, ``.launch``), or None if it cannot be built or is disabled (unless ``force``); waits up to
     ``timeout`` seconds (None: as long as it takes). The fast path *uses* it only when
     enabled."""
     start_build(force)

@@ -69,9 +69,10 @@ static PyObject* qk_signature(PyObject*, PyObject* const* args, Py_ssize_t nargs
 
 // outputs(query, key, query_out, key_out) -> (query_out, key_out, address, address): each
 // output not given (None) is allocated contiguous with the shape and options of its input, as
-// torch.empty_like(x, memory_format=torch.contiguous_format) does, minus Python's argument
-// parsing (~4 us per call on the H200 test host). Called only after signature() accepted all
-// four, so each is a plain tensor or None.
+// torch.empty_like(x, memory_format=torch.contiguous_format) does, in one call with no Python
+// argument parsing (2.8 us for both against 8.2 us on one H200 host instance; no gain on a
+// faster one: docs/perf-notes.md, runs 12-13). Called only after signature() accepted all four,
+// so each is a plain tensor or None.
 static PyObject* qk_outputs(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS  // c10 errors (e.g. out of memory) reach Python as torch's own exceptions
   if (nargs != 4) {
@@ -103,7 +104,7 @@ static PyObject* qk_outputs(PyObject*, PyObject* const* args, Py_ssize_t nargs) 
 // Launch plans. make_launch(...) packs a compiled kernel's parameters once; launch(plan, stream,
 // *varying) writes the per-call ones (addresses, eps) into their slots and calls cuLaunchKernel.
 // The plan knows nothing of Triton: Python describes each parameter with one kind character
-// (_direct_launch._native_plan), and the driver's own parameter table (cuFuncGetParamInfo)
+// (_direct_launch.param_kinds), and the driver's own parameter table (cuFuncGetParamInfo)
 // must agree with it, count and sizes, or no plan is made (the caller keeps Triton's launcher).
 // libcuda is opened at run time, so this file builds on machines without CUDA (CI) too.
 // ---------------------------------------------------------------------------------------------
