@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 import qkrope
-from qkrope.ops.qknorm_rope_cache.reference import rms_norm_ref, rope_cos_sin_ref
+from qkrope.ops.qknorm_rope.reference import cos_sin_ref, rms_norm_ref, rope_angles_ref
 from qkrope.suite import rope_inv_freq
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -93,7 +93,8 @@ def rope_tolerance(x: torch.Tensor, weight: torch.Tensor, position_ids: torch.Te
     """
     u = torch.finfo(x.dtype).eps / 2  # unit roundoff
     n = rms_norm_ref(x, weight, eps, norm_rounding).float()
-    cos, sin = rope_cos_sin_ref(position_ids.expand(x.shape[0], x.shape[2]), inv_freq, x.dtype)
+    cos, sin = cos_sin_ref(rope_angles_ref(position_ids.expand(x.shape[0], x.shape[2]),
+                                           inv_freq), x.dtype)
     c, s = cos.float()[:, None], sin.float()[:, None]
     n1, n2 = n.chunk(2, dim=-1)
     b1 = (n1 * c).abs() + (n2 * s).abs()

@@ -36,15 +36,24 @@ def test_compile_no_mutation_mode():
 def test_opcheck():
     args = make_inputs(Case(S=3, seed=5))
     outs = (torch.empty_like(args[0]), torch.empty_like(args[1]))
-    torch.library.opcheck(torch.ops.qkrope.qknorm_rope_cache.default, (*args, *outs))
+    torch.library.opcheck(torch.ops.qkrope.qknorm_rope.default,
+                          (*args[:10], None, None, *outs, args[10], "bhsd", "neox", args[0].shape[-1],
+                           0.0, "weight_fp32", 1.0, None, False))
 
 
 def test_eager_path_does_not_use_the_dispatcher(monkeypatch):
-    # Eager calls must not pay for the custom op: make it fail and call eagerly.
-    from qkrope.ops.qknorm_rope_cache import registration
+    # Eager calls must not pay for the custom op: make the dispatcher's entry fail.
+    class Refuse:
+        def __getattr__(self, name):
+            raise AssertionError("an eager call went through the dispatcher")
 
-    monkeypatch.setattr(registration, "traced_call", None)
-    op(*make_inputs(Case(S=2)))  # would raise TypeError if it went through traced_call
+        def __call__(self, *args, **kwargs):
+            raise AssertionError("an eager call went through the dispatcher")
+
+    monkeypatch.setattr(torch.ops, "qkrope", Refuse())
+    op(*make_inputs(Case(S=2)))
+    args = make_inputs(Case(S=2, seed=1))
+    op(*args)
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -53,8 +62,9 @@ def test_paged_op_compiles_fullgraph_and_writes_caches(fp8):
 
     c = PCase(cache_dtype=torch.float8_e4m3fn if fp8 else None, seed=6)
     args, kwargs = make(c)
-    kc_ref, vc_ref = args[4].clone(), args[5].clone()
-    ref = qkrope.reference_paged(*args[:4], kc_ref, vc_ref, *args[6:], **kwargs)
+    ref = qkrope.reference_paged(*args, **kwargs)
+    kc_ref, vc_ref = ref[2], ref[3]
+    ref = ref[:2]
     torch._dynamo.reset()
     out = torch.compile(lambda *a: qkrope.fused_qk_norm_rope_paged(*a, **kwargs),
                         fullgraph=True)(*args)
@@ -70,5 +80,6 @@ def test_paged_opcheck():
     # bf16 caches: opcheck's mutation check has no CPU kernels for float8 tensors.
     args, _ = make(PCase(seed=8, style="gptj", rotary_dim=32))
     outs = (torch.empty_like(args[0]), torch.empty_like(args[1]))
-    torch.library.opcheck(torch.ops.qkrope.qk_norm_rope_paged.default,
-                          (*args, *outs, "NHD", "gptj", 32, 0.0, "weight_fp32", None, None))
+    torch.library.opcheck(torch.ops.qkrope.qknorm_rope.default,
+                          (*args[:10], None, None, *outs, args[10], "NHD", "gptj", 32, 0.0,
+                           "weight_fp32", 1.0, None, False))

@@ -5,7 +5,7 @@ import torch
 from helpers import Case, make_inputs
 
 import qkrope
-from qkrope.ops.qknorm_rope_cache.reference import qk_rotated_fp64
+from qkrope.ops.qknorm_rope.reference import qk_rotated_fp64
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -63,7 +63,7 @@ def test_reference_cache_semantics_and_no_mutation_mode():
 
 def test_hf_norm_rounding_matches_transformers_qwen3_rmsnorm():
     qwen3 = pytest.importorskip("transformers.models.qwen3.modeling_qwen3")
-    from qkrope.ops.qknorm_rope_cache.reference import rms_norm_ref
+    from qkrope.ops.qknorm_rope.reference import rms_norm_ref
 
     x = torch.randn(3, 5, 128).bfloat16()
     norm = qwen3.Qwen3RMSNorm(128, eps=1e-6).bfloat16()

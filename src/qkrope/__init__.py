@@ -9,16 +9,13 @@ for a packed QKV) is the serving-layout form: token-major inputs, per-token posi
 """
 
 from . import _interpret  # noqa: F401  (must run before any Triton kernel is defined)
-from .ops.qknorm_rope_cache import (
-    fused_rope_with_qk_norm_and_kv_cache_update,
-    qknorm_rope_cache_ref,
-)
-from .ops.qknorm_rope_paged import (
+from .ops.qknorm_rope import (
     fused_qk_norm_rope_paged,
     fused_qkv_norm_rope_paged,
-    qknorm_rope_paged_ref,
+    fused_rope_with_qk_norm_and_kv_cache_update,
     split_packed_qkv,
 )
+from .ops.qknorm_rope.reference import qknorm_rope_cache_ref, qknorm_rope_paged_ref
 
 reference = qknorm_rope_cache_ref
 reference_paged = qknorm_rope_paged_ref

@@ -29,7 +29,7 @@ import warnings
 
 import torch
 
-from ..ops.qknorm_rope_cache import fused_rope_with_qk_norm_and_kv_cache_update
+from ..ops.qknorm_rope import fused_rope_with_qk_norm_and_kv_cache_update
 
 __all__ = ["patch_qwen3", "unpatch_qwen3", "is_patched"]
 

@@ -206,7 +206,7 @@ struct LaunchPlan {
   std::string kinds;              // one per argument, constexprs included
   std::vector<uint64_t> slots;    // one per argument (constexpr slots unused)
   std::vector<void*> params;      // the kernel parameters: the non-constexpr slots, in order
-  size_t n_varying;               // the first n_varying arguments come with each call
+  std::vector<size_t> varying;    // the arguments that come with each call, in call order
 };
 
 void free_plan(PyObject* capsule) {
@@ -219,13 +219,14 @@ LaunchPlan* plan_of(PyObject* capsule) {
 
 // Fills the per-call slots from args[0..nargs); false with a Python error set on a bad call.
 bool fill(LaunchPlan* plan, PyObject* const* args, Py_ssize_t nargs) {
-  if (static_cast<size_t>(nargs) != plan->n_varying) {
-    PyErr_Format(PyExc_TypeError, "expected %zu per-call arguments, got %zd", plan->n_varying,
-                 nargs);
+  if (static_cast<size_t>(nargs) != plan->varying.size()) {
+    PyErr_Format(PyExc_TypeError, "expected %zu per-call arguments, got %zd",
+                 plan->varying.size(), nargs);
     return false;
   }
-  for (size_t i = 0; i < plan->n_varying; ++i) {
-    if (plan->kinds[i] != 'c' && !store(plan->kinds[i], args[i], &plan->slots[i])) return false;
+  for (size_t i = 0; i < plan->varying.size(); ++i) {
+    const size_t slot = plan->varying[i];
+    if (!store(plan->kinds[slot], args[i], &plan->slots[slot])) return false;
   }
   return true;
 }
@@ -233,8 +234,9 @@ bool fill(LaunchPlan* plan, PyObject* const* args, Py_ssize_t nargs) {
 }  // namespace
 
 // make_launch(function, grid_x, grid_y, grid_z, block_x, shared_bytes, device, kinds, values,
-//             n_varying, check_driver=True) -> plan capsule | None
-// values: one per kind (the first n_varying only fix the call's arity; later calls pass them);
+//             varying, check_driver=True) -> plan capsule | None
+// values: one per kind; varying: the indices of the arguments each call passes, in call order
+// (their entries in values are ignored);
 // None when libcuda is missing or its parameter table disagrees with ``kinds``
 // (check_driver=False skips both: for tests of the packing on machines without a GPU).
 static PyObject* qk_make_launch(PyObject*, PyObject* args) {
@@ -243,16 +245,16 @@ static PyObject* qk_make_launch(PyObject*, PyObject* args) {
   int device, check = 1;
   PyObject* kinds_obj;
   PyObject* values;
-  Py_ssize_t n_varying;
-  if (!PyArg_ParseTuple(args, "KIIIIIiUOn|p", &function, &gx, &gy, &gz, &block, &shared,
-                        &device, &kinds_obj, &values, &n_varying, &check))
+  PyObject* varying;
+  if (!PyArg_ParseTuple(args, "KIIIIIiUOO|p", &function, &gx, &gy, &gz, &block, &shared,
+                        &device, &kinds_obj, &values, &varying, &check))
     return nullptr;
   Py_ssize_t n_kinds = 0;
   const char* kinds = PyUnicode_AsUTF8AndSize(kinds_obj, &n_kinds);
   if (!kinds) return nullptr;
-  if (!PyTuple_Check(values) || PyTuple_GET_SIZE(values) != n_kinds || n_varying < 0 ||
-      n_varying > n_kinds) {
-    PyErr_SetString(PyExc_ValueError, "values must be a tuple with one value per kind");
+  if (!PyTuple_Check(values) || PyTuple_GET_SIZE(values) != n_kinds || !PyTuple_Check(varying)) {
+    PyErr_SetString(PyExc_ValueError,
+                    "values must be a tuple with one value per kind, varying a tuple");
     return nullptr;
   }
   auto plan = std::make_unique<LaunchPlan>();
@@ -263,7 +265,18 @@ static PyObject* qk_make_launch(PyObject*, PyObject* args) {
   plan->device = device;
   plan->kinds.assign(kinds, n_kinds);
   plan->slots.assign(n_kinds, 0);
-  plan->n_varying = static_cast<size_t>(n_varying);
+  std::vector<bool> per_call(n_kinds, false);
+  for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(varying); ++j) {
+    const Py_ssize_t i = PyLong_AsSsize_t(PyTuple_GET_ITEM(varying, j));
+    if (i == -1 && PyErr_Occurred()) return nullptr;
+    if (i < 0 || i >= n_kinds || kind_size(kinds[i]) == 0 || kind_size(kinds[i]) == SIZE_MAX ||
+        per_call[i]) {
+      PyErr_SetString(PyExc_ValueError, "varying must name distinct non-constexpr arguments");
+      return nullptr;
+    }
+    per_call[i] = true;
+    plan->varying.push_back(static_cast<size_t>(i));
+  }
   for (Py_ssize_t i = 0; i < n_kinds; ++i) {
     const size_t size = kind_size(kinds[i]);
     if (size == SIZE_MAX) {
@@ -272,7 +285,7 @@ static PyObject* qk_make_launch(PyObject*, PyObject* args) {
     }
     if (size == 0) continue;
     plan->params.push_back(&plan->slots[i]);
-    if (i >= n_varying && !store(kinds[i], PyTuple_GET_ITEM(values, i), &plan->slots[i]))
+    if (!per_call[i] && !store(kinds[i], PyTuple_GET_ITEM(values, i), &plan->slots[i]))
       return nullptr;
   }
   if (check) {
@@ -354,7 +367,7 @@ static PyMethodDef methods[] = {
     {"outputs", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(qk_outputs)),
      METH_FASTCALL, "outputs(query, key, query_out, key_out) -> (query_out, key_out, int, int)"},
     {"make_launch", qk_make_launch, METH_VARARGS,
-     "make_launch(function, gx, gy, gz, block, shared, device, kinds, values, n_varying"
+     "make_launch(function, gx, gy, gz, block, shared, device, kinds, values, varying"
      "[, check_driver]) -> plan | None"},
     {"launch", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(qk_launch)),
      METH_FASTCALL, "launch(plan, stream, *per_call_arguments)"},

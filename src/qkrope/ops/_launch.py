@@ -1,0 +1,234 @@
+"""Launching a compiled kernel, for every op: Triton's public launch, and the native fast path.
+
+Two routes, no more:
+
+- **Triton's public launch** (``kernel[grid](**args, **meta)``): every checked call. It binds
+  and specialises every argument per call (~100 µs of host time for this op's ~60 arguments),
+  and serialises calls while Triton's interpreter runs (its state is global, not thread-safe).
+- **The native route** (``csrc/fast_path.cpp``): after a checked launch, the compiled kernel is
+  remembered under the call's *signature* (every tensor's shape, strides, dtype, device and
+  16-byte alignment plus the op's static options). Everything Triton specialises on and
+  everything the op's checks look at is a function of that signature, so a later call with the
+  same signature skips both: its tensors are read, its outputs allocated and the kernel
+  launched (``cuLaunchKernel``) by three C++ calls. Only the parameters an op declares per
+  call, by name (:class:`KernelLauncher`), change between such launches.
+
+The native route reads Triton's compiled-kernel object, so it is used only on Triton versions
+it was verified on (:data:`VERIFIED_TRITON`); elsewhere every call takes Triton's public launch
+and one warning says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+import warnings
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import triton
+
+from .._interpret import interpreting
+from . import _native
+
+__all__ = ["KernelLauncher", "Plan", "param_kinds", "device_of", "route", "VERIFIED_TRITON"]
+
+#: Triton versions (major.minor) whose compiled-kernel object the native route was verified on.
+VERIFIED_TRITON = ("3.6",)
+
+# The raw handle of the current stream, as Triton's own launcher gets it (a tenth of the cost of
+# building a torch.cuda.Stream object per call); the public route where it is missing.
+raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream",
+                     lambda index: torch.cuda.current_stream(index).cuda_stream)
+# torch.cuda.current_device() minus its lazy-init check: a plan exists only after a launch.
+current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
+
+# Triton's interpreter keeps global state: launches from several threads must not interleave.
+_interpreter_lock = threading.Lock()
+_warned: set[str] = set()
+
+
+def device_of(t: torch.Tensor):
+    """Context that makes ``t``'s GPU current (Triton launches on the current device), or a
+    no-op off CUDA."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def _triton_verified() -> bool:
+    return ".".join(triton.__version__.split(".")[:2]) in VERIFIED_TRITON
+
+
+def route() -> tuple[str, str]:
+    """``(route, why)``: which route launches a repeated eager call on a GPU in this process."""
+    if interpreting():
+        return "interpreter", "TRITON_INTERPRET=1: kernels run in Triton's CPU interpreter"
+    if not _triton_verified():
+        return "triton", (f"Triton {triton.__version__} is not one the native route was "
+                          f"verified on ({', '.join(VERIFIED_TRITON)})")
+    if not _no_launch_hooks():
+        return "triton", "a Triton launch hook (e.g. its profiler) is installed"
+    status = _native.status()
+    if status == "native":
+        return "native", "the native helpers are built and loaded"
+    return "triton", status
+
+
+def _no_launch_hooks() -> bool:
+    """Direct launches skip Triton's launch hooks, so they are used only when none is installed
+    (Triton 3.6 keeps an empty HookChain there rather than None)."""
+    hook = triton.knobs.runtime.launch_enter_hook
+    return hook is None or not getattr(hook, "calls", True)
+
+
+# Triton scalar type -> the native launcher's parameter kind (csrc/fast_path.cpp, kind_size).
+_KINDS = {"i1": "b", "i8": "b", "i16": "h", "i32": "i", "i64": "l", "u1": "B", "u8": "B",
+          "u16": "H", "u32": "I", "u64": "L", "fp32": "f", "f32": "f", "fp64": "d",
+          "constexpr": "c"}
+
+
+def param_kinds(signature: dict) -> str | None:
+    """The native launcher's kinds for a kernel compiled by Triton 3.6 with ``signature``
+    (``CompiledKernel.src.signature``: argument name -> type, in argument order, constexprs
+    included): one kind per argument, then two null pointers for the global and profile
+    scratch buffers Triton appends to every kernel. None for types it does not pack (tuples,
+    tensor descriptors, fp16/bf16 scalars). The driver checks the result against the kernel's
+    own parameter table (``cuFuncGetParamInfo``) before any launch."""
+    kinds = []
+    for ty in signature.values():
+        if isinstance(ty, str) and ty.startswith("*"):
+            kinds.append("p")
+        elif isinstance(ty, str) and ty in _KINDS:
+            kinds.append(_KINDS[ty])
+        else:
+            return None
+    return "".join(kinds) + "pp"
+
+
+class Plan(NamedTuple):
+    """A compiled kernel bound to one signature, launched natively with the per-call values."""
+
+    handle: object    # the native plan (csrc/fast_path.cpp, make_launch)
+    device_index: int
+
+    def launch(self, values: Sequence) -> None:
+        """Launch with the per-call values (addresses, scalars) in the launcher's order."""
+        launch = _native.module().launch
+        if current_device() == self.device_index:
+            launch(self.handle, raw_stream(self.device_index), *values)
+        else:  # a launch goes to the current device: make the tensors' device current
+            with torch.cuda.device(self.device_index):
+                launch(self.handle, raw_stream(self.device_index), *values)
+
+
+class KernelLauncher:
+    """One @triton.jit kernel, the names of its per-call parameters, and its native plans.
+
+    ``per_call``: the kernel parameters whose values change from call to call (tensor
+    addresses, runtime scalars), in the order the fast path passes them; every other parameter
+    is fixed by the call's signature.
+    """
+
+    MAX_PLANS = 4096
+
+    def __init__(self, kernel, per_call: Sequence[str]):
+        missing = set(per_call) - set(kernel.arg_names)
+        if missing:
+            raise ValueError(f"not parameters of {kernel.fn.__name__}: {sorted(missing)}")
+        self.kernel = kernel
+        self.per_call = tuple(per_call)
+        self.plans: dict = {}
+
+    def launch(self, grid: tuple, args: dict, meta: dict, device: torch.device):
+        """Triton's public launch on checked arguments; returns the compiled kernel (None in
+        the interpreter)."""
+        if interpreting():
+            with _interpreter_lock:
+                return self.kernel[grid](**args, **meta)
+        with torch.cuda.device(device):  # Triton launches on the current device
+            return self.kernel[grid](**args, **meta)
+
+    def signature(self, options, tensors: Sequence) -> tuple | None:
+        """``(key, addresses)`` of a call through the native signature reader, or None when it
+        is not built (or an argument is not a plain tensor: the checked path reports it)."""
+        read = _native.signature_fn()
+        if read is None:
+            return None
+        packed = read(*tensors)
+        if packed is None:
+            return None
+        return (options, packed[0]), packed[1]
+
+    def find(self, key) -> Plan | None:
+        try:
+            return self.plans.get(key)
+        except TypeError:  # an unhashable option: the checked path reports it
+            return None
+
+    def fast_call(self, options, inputs: Sequence, query, key, query_out, key_out, eps):
+        """The whole fast path of an op whose per-call values are the ``inputs``' addresses,
+        then ``query_out``'s and ``key_out``'s, then ``eps``: returns ``(query_out, key_out)``,
+        or None where a checked call is needed (no plan yet, or an argument to check)."""
+        if not self.plans:
+            return None
+        sig = self.signature(options, (*inputs, query_out, key_out))
+        if sig is None:
+            return None
+        plan = self.find(sig[0])
+        if plan is None or type(eps) is not float or not 0.0 <= eps < math.inf:
+            return None
+        query_out, key_out, *sig[1][-2:] = _native.outputs_fn()(query, key, query_out, key_out)
+        plan.launch((*sig[1], eps))
+        return query_out, key_out
+
+    def remember(self, key, compiled, grid: tuple, args: dict, meta: dict,
+                 device_index: int) -> None:
+        """After a checked launch that returned ``compiled``, keep a native plan for ``key``
+        (no-op where the native route is not in use; starts building its helpers)."""
+        if key is None or compiled is None or interpreting() or not _triton_verified():
+            if not interpreting() and not _triton_verified():
+                _warn_once(route()[1] + "; every call takes Triton's own launch path")
+            return
+        if not _no_launch_hooks():
+            return
+        _native.start_build()  # later calls use it once built
+        plan = self._native_plan(compiled, grid, args, meta, device_index)
+        if plan is None:
+            return
+        if len(self.plans) >= self.MAX_PLANS:
+            self.plans.clear()
+        self.plans[key] = Plan(plan, device_index)
+
+    def _native_plan(self, compiled, grid, args: dict, meta: dict, device_index: int):
+        """A native launch plan for ``compiled``, or None where the native helpers are not
+        built, the kernel needs what Triton's launcher adds (scratch memory, clusters,
+        cooperative or PDL launches), or the driver's parameter table disagrees."""
+        module = _native.module()
+        runner, md = getattr(compiled, "run", None), getattr(compiled, "metadata", None)
+        signature = getattr(getattr(compiled, "src", None), "signature", None)
+        names = self.kernel.arg_names
+        if module is None or not isinstance(signature, dict) or list(signature) != names:
+            return None
+        if (getattr(md, "num_ctas", None) != 1 or getattr(runner, "launch_cooperative_grid", 1)
+                or getattr(runner, "launch_pdl", 1) or getattr(runner, "global_scratch_size", 1)
+                or getattr(runner, "profile_scratch_size", 1)):
+            return None
+        kinds = param_kinds(signature)
+        if kinds is None:
+            return None
+        values = tuple(_address(args[n]) if n in args else meta[n] for n in names)
+        varying = tuple(names.index(n) for n in self.per_call)
+        grid = (*grid, 1, 1)[:3]
+        return module.make_launch(compiled.function, *grid, 32 * md.num_warps, md.shared,
+                                  device_index, kinds, (*values, None, None), varying)
+
+
+def _address(x):
+    return x.data_ptr() if isinstance(x, torch.Tensor) else x
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(f"qkrope: {message}", stacklevel=3)

@@ -1,0 +1,16 @@
+"""Fused per-head QK RMSNorm + RoPE + K/V cache write, one launch, two entry points.
+
+``reference.py`` (the oracle, never imported by production code), ``kernel.py`` (the one Triton
+kernel), ``launcher.py`` (checks, layout adapters, tile picker, launch), ``registration.py``
+(the ``torch.ops.qkrope.qknorm_rope`` custom op), ``api.py`` (the public functions).
+"""
+
+from .api import (
+    fused_qk_norm_rope_paged,
+    fused_qkv_norm_rope_paged,
+    fused_rope_with_qk_norm_and_kv_cache_update,
+    split_packed_qkv,
+)
+
+__all__ = ["fused_qk_norm_rope_paged", "fused_qkv_norm_rope_paged",
+           "fused_rope_with_qk_norm_and_kv_cache_update", "split_packed_qkv"]

@@ -1,0 +1,323 @@
+"""The op's public entry points: thin, documented wrappers over one checked launch path.
+
+A call goes public function -> (a repeated signature: the native fast path) -> checks ->
+:func:`registration.qknorm_rope` -> :func:`launcher.launch`. Both entry points run the same
+kernel; they differ only in how activations and caches are laid out:
+
+===============================================  ==================================================
+``fused_rope_with_qk_norm_and_kv_cache_update``  [B, H, S, D] activations, [B, Hkv, L, D] caches, one
+                                                 cache row per token for every batch element
+                                                 (``cache_position``); returns 4 tensors, the
+                                                 public benchmark's convention.
+``fused_qk_norm_rope_paged``                     token-major [T, H, D] activations, paged caches
+                                                 addressed per token (``slot_mapping``); returns
+                                                 2 tensors, the caches written in place (serving
+                                                 engines' convention).
+===============================================  ==================================================
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from .launcher import (
+    ACTIVATION_DTYPES, LAUNCHER, Options, _dtype_name, _scalar_on, _tensor, check_bhsd,
+    check_paged, scale_tensor,
+)
+from .registration import qknorm_rope
+
+__all__ = ["fused_rope_with_qk_norm_and_kv_cache_update", "fused_qk_norm_rope_paged",
+           "fused_qkv_norm_rope_paged", "split_packed_qkv"]
+
+
+def fused_rope_with_qk_norm_and_kv_cache_update(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    position_ids: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    cache_position: torch.Tensor,
+    q_norm_weight: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    inv_freq: torch.Tensor,
+    rms_norm_eps: float,
+    *,
+    inplace: bool = True,
+    query_out: torch.Tensor | None = None,
+    key_out: torch.Tensor | None = None,
+    validate: bool = False,
+    norm_rounding: str = "weight_fp32",
+    rotary_style: str = "neox",
+    rotary_dim: int | None = None,
+    norm_weight_offset: float = 0.0,
+    cos_sin_scale: float = 1.0,
+    mrope_section: tuple[int, int, int] | None = None,
+    mrope_interleaved: bool = False,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm on Q and K, RoPE on both, and the K/V cache write, in one launch.
+
+    Args:
+        query: [B, Hq, S, D] bf16 or fp16, any strides (e.g. a view of a fused QKV projection,
+            or the query half of a gated ``[q | gate]`` projection); D in {64, 128, 256, 512}.
+        key: [B, Hkv, S, D], dtype of ``query``; ``Hq % Hkv == 0``.
+        value: [B, Hkv, S, D], dtype of ``query``; copied unchanged into ``value_cache``.
+        position_ids: [B, S] int32/int64 rotary positions; [1, S] and expanded views (batch
+            stride 0) are accepted. With ``mrope_section``: [3, B, S] (or [3, 1, S]), the
+            temporal, height and width position streams.
+        key_cache, value_cache: [B, Hkv, L, D], dtype of ``query`` or ``float8_e4m3fn``,
+            identical shapes.
+        cache_position: [S] int32/int64, the cache row each token's K/V goes to (same for every
+            batch element). Rows outside ``[0, L)`` are skipped: -1 is the usual padding marker.
+            If two tokens name the same row, each element of that row ends up holding the value
+            of one of them, unspecified which (tokens may mix within the row, as with
+            ``index_copy_`` on CUDA); every other row is untouched.
+        q_norm_weight, k_norm_weight: [D], dtype of ``query``.
+        inv_freq: [rotary_dim/2] float32 rotary inverse frequencies.
+        rms_norm_eps: RMSNorm epsilon (Python float).
+        inplace: True (default) writes the S rows into ``key_cache``/``value_cache`` and returns
+            those same tensors: one launch, no cache copy. False leaves them untouched and returns
+            fresh copies with the rows written (costs a full copy of both caches).
+        query_out, key_out: optional preallocated outputs ([B, Hq, S, D] / [B, Hkv, S, D], dtype
+            of ``query``, any strides) for allocation-free calls (CUDA graphs). ``query_out`` may
+            be ``query`` itself (and ``key_out`` ``key``); no other overlap is allowed.
+        validate: also raise ``ValueError`` when ``cache_position`` leaves ``[0, L)`` or an FP8
+            scale tensor holds a value that is not finite and > 0 (costs a host sync, so it is
+            off by default and such rows are skipped silently).
+        norm_rounding: ``"weight_fp32"`` (default; the public benchmark's): the weight multiply
+            happens in fp32 before the one rounding of the normalized row. ``"hf"``: as HF
+            transformers' ``Qwen3RMSNorm``, the normalized row is rounded first and then
+            multiplied by the weight in the activation dtype (a second rounding).
+        rotary_style: ``"neox"`` (rotate halves, Qwen/Llama) or ``"gptj"`` (interleaved pairs
+            2i, 2i+1).
+        rotary_dim: rotate only the first ``rotary_dim`` dims (even, <= D; e.g. Qwen3.5's
+            ``partial_rotary_factor``); the rest of each row is normalised and passed through.
+        norm_weight_offset: the norm weight is ``offset + w`` in fp32 (1.0: Gemma, Qwen3.5 and
+            Qwen3-Next norms).
+        cos_sin_scale: multiplies cos and sin in fp32 before their rounding (HF's
+            ``attention_scaling`` of YaRN / LongRoPE rotary embeddings).
+        mrope_section: (temporal, height, width) frequency counts of multimodal RoPE, summing to
+            rotary_dim/2; each frequency rotates by the position of its stream.
+        mrope_interleaved: False: contiguous sections (Qwen2-VL); True: interleaved T H W T H W
+            ... with T beyond the H and W sections (Qwen3-VL, Qwen3.5).
+        k_scale, v_scale: FP8 caches only, required there: Python float, or float32 tensor of
+            1 (per tensor) or Hkv (per head) elements. Stored value = saturate(x / scale) to
+            +-448, nearest even, NaN kept (vLLM's convention); read back as stored * scale.
+
+    Returns:
+        ``(query_rotated, key_rotated, key_cache_out, value_cache_out)``.
+    """
+    opts = Options("bhsd", rotary_style, rotary_dim, norm_weight_offset, norm_rounding,
+                   cos_sin_scale, _hashable(mrope_section), mrope_interleaved)
+    scales = _fast_scales(k_scale, v_scale, query)
+    if inplace and not validate and scales is not None and not torch.compiler.is_compiling():
+        out = LAUNCHER.fast_call(opts, (query, key, value, position_ids, key_cache, value_cache,
+                                        cache_position, q_norm_weight, k_norm_weight, inv_freq,
+                                        *scales), query, key, query_out, key_out, rms_norm_eps)
+        if out is not None:
+            return (*out, key_cache, value_cache)
+    checked = check_bhsd(query, key, value, position_ids, key_cache, value_cache,
+                         cache_position, q_norm_weight, k_norm_weight, inv_freq, rms_norm_eps,
+                         opts)
+    if not inplace:
+        key_cache, value_cache = key_cache.clone(), value_cache.clone()
+    query_out, key_out = _checked_call(
+        opts, checked, (query, key, value, position_ids, key_cache, value_cache, cache_position,
+                        q_norm_weight, k_norm_weight, inv_freq), k_scale, v_scale, query_out,
+        key_out, rms_norm_eps, validate, rows_bound=key_cache.shape[2], rows_name="cache_position")
+    return query_out, key_out, key_cache, value_cache
+
+
+def fused_qk_norm_rope_paged(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    positions: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    q_norm_weight: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    inv_freq: torch.Tensor,
+    rms_norm_eps: float,
+    *,
+    cache_layout: str = "NHD",
+    rotary_style: str = "neox",
+    rotary_dim: int | None = None,
+    norm_weight_offset: float = 0.0,
+    norm_rounding: str = "weight_fp32",
+    cos_sin_scale: float = 1.0,
+    mrope_section: tuple[int, int, int] | None = None,
+    mrope_interleaved: bool = False,
+    k_scale: float | torch.Tensor | None = None,
+    v_scale: float | torch.Tensor | None = None,
+    query_out: torch.Tensor | None = None,
+    key_out: torch.Tensor | None = None,
+    validate: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-major QK RMSNorm + RoPE + paged K/V cache write, in one launch (serving layouts).
+
+    Args:
+        query: [T, Hq, D] bf16/fp16, any strides (e.g. from :func:`split_packed_qkv`);
+            D in {64, 128, 256, 512}.
+        key, value: [T, Hkv, D], dtype of ``query``; ``Hq % Hkv == 0``.
+        positions: [T] int32/int64 rotary position of each token (sequences may sit anywhere);
+            [3, T] with ``mrope_section``.
+        key_cache, value_cache: paged caches, ``cache_layout="NHD"``: [num_blocks, block_size,
+            Hkv, D]; ``"HND"``: [num_blocks, Hkv, block_size, D]; dtype of ``query`` or
+            ``torch.float8_e4m3fn``; any strides: separate tensors or views of one allocation
+            (e.g. vLLM's packed [num_blocks, Hkv, block_size, 2 D], K and V its two halves). A
+            contiguous per-sequence cache [B, Hkv, L, D] is ``"HND"`` with block_size L: slot
+            ``b * L + row``.
+        slot_mapping: [T] int32/int64; token t goes to block ``slot // block_size``, offset
+            ``slot % block_size``. Slots < 0 (CUDA-graph padding) or past the cache are skipped.
+        q_norm_weight, k_norm_weight, inv_freq, rms_norm_eps, rotary_style, rotary_dim,
+        norm_weight_offset, norm_rounding, cos_sin_scale, mrope_section, mrope_interleaved,
+        k_scale, v_scale: as in :func:`fused_rope_with_qk_norm_and_kv_cache_update`.
+        cache_layout: ``"NHD"`` (vLLM's default) or ``"HND"``.
+        query_out, key_out: optional preallocated outputs of the input shapes; ``query_out``
+            may be ``query`` itself (and ``key_out`` ``key``); no other overlap is allowed.
+        validate: also raise ``ValueError`` for a slot outside the cache or a bad FP8 scale
+            value (a host sync).
+
+    Returns:
+        ``(query_rotated [T, Hq, D], key_rotated [T, Hkv, D])``; the caches are written in place.
+    """
+    opts = Options(cache_layout, rotary_style, rotary_dim, norm_weight_offset, norm_rounding,
+                   cos_sin_scale, _hashable(mrope_section), mrope_interleaved)
+    scales = _fast_scales(k_scale, v_scale, query)
+    if not validate and scales is not None and not torch.compiler.is_compiling():
+        out = LAUNCHER.fast_call(opts, (query, key, value, positions, key_cache, value_cache,
+                                        slot_mapping, q_norm_weight, k_norm_weight, inv_freq,
+                                        *scales), query, key, query_out, key_out, rms_norm_eps)
+        if out is not None:
+            return out
+    checked = check_paged(query, key, value, positions, key_cache, value_cache, slot_mapping,
+                          q_norm_weight, k_norm_weight, inv_freq, rms_norm_eps, opts)
+    bs = key_cache.shape[1] if checked.layout == "NHD" else key_cache.shape[2]
+    return _checked_call(
+        opts, checked, (query, key, value, positions, key_cache, value_cache, slot_mapping,
+                        q_norm_weight, k_norm_weight, inv_freq), k_scale, v_scale, query_out,
+        key_out, rms_norm_eps, validate, rows_bound=key_cache.shape[0] * bs,
+        rows_name="slot_mapping")
+
+
+def _checked_call(opts: Options, checked: Options, tensors: tuple, k_scale, v_scale, query_out,
+                  key_out, rms_norm_eps, validate: bool, rows_bound: int, rows_name: str):
+    """The checked path shared by both entry points; ``tensors``: the ten input tensors in
+    the kernel's order, already checked; ``opts`` as the caller gave them (the fast path's key),
+    ``checked`` canonical."""
+    query, key, key_cache, value_cache = tensors[0], tensors[1], tensors[4], tensors[5]
+    Hkv = key.shape[1]
+    k_sc = scale_tensor("k_scale", k_scale, key_cache, Hkv)
+    v_sc = scale_tensor("v_scale", v_scale, value_cache, Hkv)
+    if validate:
+        _validate(tensors[6], rows_bound, rows_name, k_sc, v_sc)
+    inputs = (*tensors, k_sc, v_sc)
+    signature = (None if torch.compiler.is_compiling()
+                 else LAUNCHER.signature(opts, (*inputs, query_out, key_out)))
+    query_out, key_out = _outputs(query, key, query_out, key_out)
+    result = qknorm_rope(
+        *inputs, query_out, key_out, float(rms_norm_eps), checked.layout, checked.rotary_style,
+        checked.rotary_dim, checked.norm_weight_offset, checked.norm_rounding,
+        checked.cos_sin_scale, None if checked.mrope_section is None else
+        list(checked.mrope_section), checked.mrope_interleaved)
+    if result is not None and signature is not None:  # eager: keep a plan for the fast path
+        LAUNCHER.remember(signature[0], *result, query.get_device())
+    return query_out, key_out
+
+
+def _hashable(section):
+    return tuple(section) if isinstance(section, list) else section
+
+
+def _fast_scales(k_scale, v_scale, query):
+    """The scales as the fast path passes them (a Python float as its cached device tensor),
+    or None where only the checked path may judge them."""
+    out = []
+    for s in (k_scale, v_scale):
+        if s is None or type(s) is torch.Tensor:
+            out.append(s)
+        elif type(s) is float and 0.0 < s < math.inf:
+            out.append(_scalar_on(s, query.device))
+        else:
+            return None
+    return out
+
+
+def _validate(rows: torch.Tensor, bound: int, name: str, *scales) -> None:
+    """``validate=True``: rows/slots inside the cache, FP8 scale values finite and > 0."""
+    checks = [(name, rows, (rows >= 0) & (rows < bound),
+               f"outside the cache [0, {bound}) (validate=True raises instead of skipping)")]
+    for scale_name, s in zip(("k_scale", "v_scale"), scales):
+        if s is not None:
+            checks.append((scale_name, s, torch.isfinite(s) & (s > 0), "not finite and > 0"))
+    for arg, values, ok, what in checks:
+        if torch.compiler.is_compiling():
+            torch._check(bool(ok.all()), lambda arg=arg, what=what: f"{arg}: a value {what}")
+        elif not bool(ok.all()):  # host sync: only on request
+            raise ValueError(f"{arg} holds {values.reshape(-1)[~ok.reshape(-1)][0].item()}, "
+                             f"{what}")
+
+
+def _check_out(name: str, out, like: torch.Tensor) -> None:
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(out).__name__}")
+    if tuple(out.shape) != tuple(like.shape):
+        raise ValueError(f"{name} must have shape {list(like.shape)}, got {list(out.shape)}")
+    if out.dtype != like.dtype:
+        raise TypeError(f"{name} must be {_dtype_name(like.dtype)}, got {_dtype_name(out.dtype)}")
+    if out.device != like.device:
+        raise ValueError(f"{name} must be on {like.device}, got {out.device}")
+
+
+def _outputs(query, key, query_out, key_out):
+    """The caller's checked ``query_out``/``key_out``, or new contiguous ones like q and k
+    (plain torch calls: traceable)."""
+    if query_out is None:
+        query_out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    else:
+        _check_out("query_out", query_out, query)
+    if key_out is None:
+        key_out = torch.empty_like(key, memory_format=torch.contiguous_format)
+    else:
+        _check_out("key_out", key_out, key)
+    return query_out, key_out
+
+
+def _head_count(name: str, n) -> int:
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+        raise TypeError(f"{name} must be a positive int, got {n!r}")
+    return int(n)
+
+
+def split_packed_qkv(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int):
+    """Views q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D] of a packed projection output
+    ``qkv`` [T, (Hq + 2 Hkv) * D] (no copy)."""
+    _tensor("qkv", qkv, 2, ACTIVATION_DTYPES)
+    hq, hkv = _head_count("num_q_heads", num_q_heads), _head_count("num_kv_heads", num_kv_heads)
+    d = _head_count("head_dim", head_dim)
+    width = (hq + 2 * hkv) * d
+    if qkv.shape[1] != width:
+        raise ValueError(f"qkv must have shape [T, {width}] ((num_q_heads + 2 num_kv_heads) * "
+                         f"head_dim), got {list(qkv.shape)}")
+    T = qkv.shape[0]
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=1)
+    return q.view(T, hq, d), k.view(T, hkv, d), v.view(T, hkv, d)
+
+
+def fused_qkv_norm_rope_paged(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int,
+                              positions, key_cache, value_cache, slot_mapping, q_norm_weight,
+                              k_norm_weight, inv_freq, rms_norm_eps, **kwargs):
+    """:func:`fused_qk_norm_rope_paged` on a packed projection output ``qkv``
+    [T, (Hq + 2 Hkv) * D] (D from ``q_norm_weight``); same keywords and returns."""
+    _tensor("q_norm_weight", q_norm_weight, 1, ACTIVATION_DTYPES)
+    q, k, v = split_packed_qkv(qkv, num_q_heads, num_kv_heads, q_norm_weight.shape[-1])
+    return fused_qk_norm_rope_paged(q, k, v, positions, key_cache, value_cache, slot_mapping,
+                                    q_norm_weight, k_norm_weight, inv_freq, rms_norm_eps,
+                                    **kwargs)

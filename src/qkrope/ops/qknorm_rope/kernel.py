@@ -1,0 +1,360 @@
+"""The Triton kernel of the op: per-head RMSNorm on Q and K, RoPE, and the K/V cache row write,
+in one launch, for both entry points.
+
+Work split: a program owns a tile of heads x ``BLOCK_T`` tokens of one batch element (grid axis
+2; token-major inputs have one "batch" with batch strides 0). Programs with
+``pid_h < cdiv(Hq, BLOCK_HQ)`` handle ``BLOCK_HQ`` query heads; the rest handle ``BLOCK_HKV``
+key/value heads and also write the new K and V rows into the caches. Rows are processed as two
+halves of ``D/2``, so NeoX's rotate-half pairs line up element by element and cos/sin are
+computed once per program, shared by all heads of the tile.
+
+Features are constexprs, compiled away when off:
+
+- ``ROT < D`` (partial rotary) and ``GPTJ`` (interleaved pairs) use one formula per element,
+  ``out[d] = n[d] cos[f(d)] + sign(d) n[p(d)] sin[f(d)]``, with the partner ``p(d)`` loaded a
+  second time (an L1 hit: no register shuffles, and it runs in the interpreter);
+- ``MROPE`` (1 contiguous sections, 2 interleaved) takes each frequency's position from one of
+  three position streams (temporal, height, width), as Qwen2/3-VL and Qwen3.5 do;
+- ``COS_SIN_SCALE`` multiplies fp32 cos/sin before their rounding (HF's ``attention_scaling``);
+- ``W_OFFSET`` gives ``(offset + w)`` norm weights; ``HF_NORM`` HF's Qwen3RMSNorm rounding;
+- ``PAGED`` addresses the cache by ``(row // block_size, row % block_size)``;
+  ``K_SCALED``/``V_SCALED`` store FP8 as ``saturate(x / scale)``.
+
+Interpreter (``TRITON_INTERPRET=1``) rules followed here: loads are upcast to fp32 at once and
+all arithmetic is fp32; every store is masked; libdevice is only reached behind the
+``INTERPRETER`` constexpr, which also swaps in exact roundings (the interpreter's fp32 -> bf16 and
+-> fp8 casts truncate, while the GPU rounds to nearest even, as PyTorch does). Every address is
+an int64 product: caches exceed 2**31 elements and views may have huge strides.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def _row_sum(x):
+    """``tl.sum(x, axis=2)`` spelled with the reduce builtin: Triton's own @jit helpers
+    (tl.sum, tl.cdiv) break in the interpreter when triton was imported before it was enabled
+    (e.g. by transformers), while kernels defined here afterwards do not."""
+    return tl.reduce(x, 2, _add)
+
+
+@triton.jit
+def _round(x, DT: tl.constexpr, INTERPRETER: tl.constexpr):
+    """Round fp32 ``x`` to ``DT`` (nearest even) and return it as fp32: one rounding point."""
+    if INTERPRETER and DT == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(DT).to(tl.float32)
+
+
+@triton.jit
+def _mrope_stream(freq, MROPE: tl.constexpr, SEC_T: tl.constexpr, SEC_H: tl.constexpr,
+                  SEC_W: tl.constexpr):
+    """Which position stream (0 temporal, 1 height, 2 width) frequency ``freq`` rotates by."""
+    if MROPE == 1:  # contiguous sections: [T x SEC_T | H x SEC_H | W x SEC_W]
+        return tl.where(freq < SEC_T, 0, tl.where(freq < SEC_T + SEC_H, 1, 2))
+    else:  # interleaved (Qwen3-VL, Qwen3.5): T H W T H W ..., T beyond the H/W sections
+        h = ((freq % 3) == 1) & (freq < 3 * SEC_H)
+        w = ((freq % 3) == 2) & (freq < 3 * SEC_W)
+        return tl.where(h, 1, tl.where(w, 2, 0))
+
+
+@triton.jit
+def _angles(pos_ptr, pos_off, t_mask, freq, inv_freq_ptr, stride_inv_freq, stride_pos_r,
+            MROPE: tl.constexpr, SEC_T: tl.constexpr, SEC_H: tl.constexpr, SEC_W: tl.constexpr):
+    """fp32 angles ``float32(position) * inv_freq[freq]`` -> [BLOCK_T, N] for tokens at int64
+    position offsets ``pos_off`` [BLOCK_T] and frequency indices ``freq`` [N]."""
+    inv = tl.load(inv_freq_ptr + freq.to(tl.int64) * stride_inv_freq).to(tl.float32)
+    if MROPE == 0:
+        pos = tl.load(pos_ptr + pos_off, mask=t_mask, other=0)
+        return pos.to(tl.float32)[:, None] * inv[None, :]
+    else:
+        stream = _mrope_stream(freq, MROPE, SEC_T, SEC_H, SEC_W).to(tl.int64)
+        pos = tl.load(pos_ptr + pos_off[:, None] + stream[None, :] * stride_pos_r,
+                      mask=t_mask[:, None], other=0)
+        return pos.to(tl.float32) * inv[None, :]
+
+
+@triton.jit
+def _cos_sin(angle, DT: tl.constexpr, COS_SIN_SCALE: tl.constexpr, INTERPRETER: tl.constexpr):
+    """cos/sin of fp32 angles, scaled in fp32, as fp32 holding values rounded to ``DT``."""
+    if INTERPRETER:
+        cos = tl.cos(angle)
+        sin = tl.sin(angle)
+    else:
+        # Angles reach 2**18 rad: the hardware sin/cos approximations are wrong there, the
+        # libdevice versions do full range reduction (the same code torch's CUDA cos runs).
+        cos = libdevice.cos(angle)
+        sin = libdevice.sin(angle)
+    if COS_SIN_SCALE != 1.0:
+        cos = cos * COS_SIN_SCALE
+        sin = sin * COS_SIN_SCALE
+    return _round(cos, DT, INTERPRETER), _round(sin, DT, INTERPRETER)
+
+
+@triton.jit
+def _load_halves(x_ptr, off_lo, off_hi, mask):
+    """Both halves of a tile of rows at int64 offsets, upcast to fp32."""
+    x1 = tl.load(x_ptr + off_lo, mask=mask, other=0.0)
+    x2 = tl.load(x_ptr + off_hi, mask=mask, other=0.0)
+    return x1.to(tl.float32), x2.to(tl.float32)
+
+
+@triton.jit
+def _load_weight(w_ptr, d, stride_w, W_OFFSET: tl.constexpr):
+    """Norm weight at dims ``d`` [N] as fp32 [1, 1, N] (``W_OFFSET + w``: Gemma/Qwen3.5 style).
+
+    Callers load the weights with the rows, before any sin/cos work: loaded inside the math
+    they would sit behind its layout-conversion barriers, a serial memory round trip or two per
+    program."""
+    w = tl.load(w_ptr + d.to(tl.int64) * stride_w).to(tl.float32)[None, None, :]
+    if W_OFFSET != 0.0:
+        w = w + W_OFFSET
+    return w
+
+
+@triton.jit
+def _rstd(x1, x2, eps, D: tl.constexpr):
+    # 1/D is a power of two for every supported head_dim, so this equals torch's sum * (1/D).
+    return tl.math.rsqrt((_row_sum(x1 * x1) + _row_sum(x2 * x2)) * (1.0 / D) + eps)[:, :, None]
+
+
+@triton.jit
+def _normed(x, w, rstd, DT: tl.constexpr, HF_NORM: tl.constexpr, INTERPRETER: tl.constexpr):
+    """The normalized row in DT (as fp32): one rounding after the fp32 weight multiply, or with
+    ``HF_NORM`` (HF's Qwen3RMSNorm) a rounding before and one after a weight multiply in DT."""
+    if HF_NORM:
+        return _round(w * _round(x * rstd, DT, INTERPRETER), DT, INTERPRETER)
+    else:
+        return _round(w * (x * rstd), DT, INTERPRETER)
+
+
+@triton.jit
+def _neox(n1, n2, cos, sin, DT: tl.constexpr, INTERPRETER: tl.constexpr):
+    """Full NeoX rotation of normalized halves; every product and sum rounded to DT."""
+    # Each product of two DT values is exact in fp32, so round(fp32 product) is the DT product;
+    # LLVM emits these as native bf16/fp16 multiplies. fp fusion is off at launch: an FMA
+    # would skip the rounding of a product.
+    o1 = _round(n1 * cos, DT, INTERPRETER) - _round(n2 * sin, DT, INTERPRETER)
+    o2 = _round(n2 * cos, DT, INTERPRETER) + _round(n1 * sin, DT, INTERPRETER)
+    # The final cast is exact once _round has run: the interpreter's truncating cast is safe.
+    return _round(o1, DT, INTERPRETER).to(DT), _round(o2, DT, INTERPRETER).to(DT)
+
+
+@triton.jit
+def _pair_maps(d, ROT: tl.constexpr, GPTJ: tl.constexpr):
+    """For dims d: partner dim, frequency index, sign of the sin term, rotated?"""
+    if GPTJ:
+        first = (d % 2) == 0
+        partner = tl.where(first, d + 1, d - 1)
+        freq = d // 2
+    else:
+        first = d < ROT // 2
+        partner = tl.where(first, d + ROT // 2, d - ROT // 2)
+        freq = tl.where(first, d, d - ROT // 2)
+    rotated = d < ROT
+    partner = tl.where(rotated, partner, d)
+    freq = tl.where(rotated, freq, 0)
+    sign = tl.where(first, -1.0, 1.0)
+    return partner, freq, sign, rotated
+
+
+@triton.jit
+def _rotate_dims(x, x_ptr, row_off, stride_d, mask, d, w, w_ptr, stride_w, rstd, pos_ptr,
+                 pos_off, t_mask, inv_freq_ptr, stride_inv_freq, stride_pos_r,
+                 ROT: tl.constexpr, GPTJ: tl.constexpr, HF_NORM: tl.constexpr,
+                 W_OFFSET: tl.constexpr, COS_SIN_SCALE: tl.constexpr, MROPE: tl.constexpr,
+                 SEC_T: tl.constexpr, SEC_H: tl.constexpr, SEC_W: tl.constexpr,
+                 INTERPRETER: tl.constexpr):
+    """Normalise and rotate dims ``d`` [N] of fp32 rows ``x`` [BLOCK_H, BLOCK_T, N] (partial
+    rotary / GPT-J); dims from ``ROT`` on pass through normalised, unrotated."""
+    DT = x_ptr.dtype.element_ty
+    partner, freq, sign, rotated = _pair_maps(d, ROT, GPTJ)
+    xp = tl.load(x_ptr + row_off + partner.to(tl.int64)[None, None, :] * stride_d, mask=mask,
+                 other=0.0).to(tl.float32)
+    wp = _load_weight(w_ptr, partner, stride_w, W_OFFSET)
+    n = _normed(x, w, rstd, DT, HF_NORM, INTERPRETER)
+    n_p = _normed(xp, wp, rstd, DT, HF_NORM, INTERPRETER)
+    angle = _angles(pos_ptr, pos_off, t_mask, freq, inv_freq_ptr, stride_inv_freq, stride_pos_r,
+                    MROPE, SEC_T, SEC_H, SEC_W)
+    cos, sin = _cos_sin(angle[None, :, :], DT, COS_SIN_SCALE, INTERPRETER)
+    out = (_round(n * cos, DT, INTERPRETER)
+           + sign[None, None, :] * _round(n_p * sin, DT, INTERPRETER))
+    # Exact once rounded: the interpreter's truncating cast is safe.
+    return tl.where(rotated[None, None, :], _round(out, DT, INTERPRETER), n).to(DT)
+
+
+@triton.jit
+def _norm_rope_tile(x_ptr, row_off, stride_d, mask, w_ptr, stride_w, pos_ptr, pos_off, t_mask,
+                    inv_freq_ptr, stride_inv_freq, stride_pos_r, eps, D: tl.constexpr,
+                    ROT: tl.constexpr, GPTJ: tl.constexpr, HF_NORM: tl.constexpr,
+                    W_OFFSET: tl.constexpr, COS_SIN_SCALE: tl.constexpr, MROPE: tl.constexpr,
+                    SEC_T: tl.constexpr, SEC_H: tl.constexpr, SEC_W: tl.constexpr,
+                    INTERPRETER: tl.constexpr):
+    """Normalised, rotated rows of a [BLOCK_H, BLOCK_T] tile as two DT halves [.., D/2].
+
+    row_off: [BLOCK_H, BLOCK_T, 1] int64 element offsets of the rows; pos_off: [BLOCK_T] int64
+    offsets of the tokens' positions. Every load is issued before the sin/cos work, so the
+    row, weight and position loads share one DRAM round trip (decode is latency-bound).
+    """
+    HALF: tl.constexpr = D // 2
+    DT = x_ptr.dtype.element_ty
+    d_lo = tl.arange(0, HALF)
+    d_hi = d_lo + HALF
+    w_lo = _load_weight(w_ptr, d_lo, stride_w, W_OFFSET)
+    w_hi = _load_weight(w_ptr, d_hi, stride_w, W_OFFSET)
+    x_lo, x_hi = _load_halves(x_ptr, row_off + d_lo.to(tl.int64)[None, None, :] * stride_d,
+                              row_off + d_hi.to(tl.int64)[None, None, :] * stride_d, mask)
+    if not GPTJ and ROT == D:  # full NeoX rotary: one cos/sin per frequency, shared by halves
+        angle = _angles(pos_ptr, pos_off, t_mask, d_lo, inv_freq_ptr, stride_inv_freq,
+                        stride_pos_r, MROPE, SEC_T, SEC_H, SEC_W)
+        cos, sin = _cos_sin(angle, DT, COS_SIN_SCALE, INTERPRETER)
+        rstd = _rstd(x_lo, x_hi, eps, D)
+        lo, hi = _neox(_normed(x_lo, w_lo, rstd, DT, HF_NORM, INTERPRETER),
+                       _normed(x_hi, w_hi, rstd, DT, HF_NORM, INTERPRETER),
+                       cos[None, :, :], sin[None, :, :], DT, INTERPRETER)
+    else:
+        rstd = _rstd(x_lo, x_hi, eps, D)
+        lo = _rotate_dims(x_lo, x_ptr, row_off, stride_d, mask, d_lo, w_lo, w_ptr, stride_w,
+                          rstd, pos_ptr, pos_off, t_mask, inv_freq_ptr, stride_inv_freq,
+                          stride_pos_r, ROT, GPTJ, HF_NORM, W_OFFSET, COS_SIN_SCALE, MROPE,
+                          SEC_T, SEC_H, SEC_W, INTERPRETER)
+        hi = _rotate_dims(x_hi, x_ptr, row_off, stride_d, mask, d_hi, w_hi, w_ptr, stride_w,
+                          rstd, pos_ptr, pos_off, t_mask, inv_freq_ptr, stride_inv_freq,
+                          stride_pos_r, ROT, GPTJ, HF_NORM, W_OFFSET, COS_SIN_SCALE, MROPE,
+                          SEC_T, SEC_H, SEC_W, INTERPRETER)
+    return lo, hi
+
+
+@triton.jit
+def _round_e4m3(v):
+    """Round fp32 to the float8_e4m3fn grid (nearest even) in fp32 arithmetic, for the
+    interpreter, whose fp32->fp8 cast truncates: 3 mantissa bits for normals, steps of 2**-9
+    below 2**-6 (the adds round at that step; fp fusion is off)."""
+    bits = v.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000
+    normal = bits.to(tl.float32, bitcast=True)
+    subnormal = (v + 24576.0) - 24576.0
+    return tl.where(tl.abs(v) < 0.015625, subnormal, normal)
+
+
+@triton.jit
+def _store_cache(cache_ptr, off, vals, mask, scale_ptr, h, Hkv, stride_scale,
+                 SCALED: tl.constexpr, INTERPRETER: tl.constexpr):
+    """Store rows into a cache; FP8 caches get saturate(x / scale) (vLLM's convention), NaN
+    stored as NaN (a clamp alone would turn an upstream NaN into in-range data)."""
+    if SCALED:
+        # Per-tensor scales come with stride 0; heads past Hkv in the tile are masked.
+        scale = tl.load(scale_ptr + h.to(tl.int64) * stride_scale, mask=h < Hkv, other=1.0)
+        v = vals.to(tl.float32) / scale.to(tl.float32)
+        clamped = tl.minimum(tl.maximum(v, -448.0), 448.0)
+        if INTERPRETER:
+            clamped = _round_e4m3(clamped)
+        v = tl.where(v != v, v, clamped)
+        tl.store(cache_ptr + off, v.to(cache_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(cache_ptr + off, vals, mask=mask)
+
+
+@triton.jit
+def qknorm_rope_kernel(
+    q_ptr, k_ptr, v_ptr, pos_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    q_w_ptr, k_w_ptr, inv_freq_ptr, q_out_ptr, k_out_ptr, k_scale_ptr, v_scale_ptr,
+    eps, T, Hq, Hkv, rows_per_batch, block_size,
+    stride_q_b, stride_q_h, stride_q_t, stride_q_d,
+    stride_k_b, stride_k_h, stride_k_t, stride_k_d,
+    stride_v_b, stride_v_h, stride_v_t, stride_v_d,
+    stride_qo_b, stride_qo_h, stride_qo_t, stride_qo_d,
+    stride_ko_b, stride_ko_h, stride_ko_t, stride_ko_d,
+    stride_kc_b, stride_kc_blk, stride_kc_row, stride_kc_h, stride_kc_d,
+    stride_vc_b, stride_vc_blk, stride_vc_row, stride_vc_h, stride_vc_d,
+    stride_pos_r, stride_pos_b, stride_pos_t, stride_slot,
+    stride_q_w, stride_k_w, stride_inv_freq, stride_k_scale, stride_v_scale,
+    D: tl.constexpr, ROT: tl.constexpr, GPTJ: tl.constexpr, HF_NORM: tl.constexpr,
+    W_OFFSET: tl.constexpr, COS_SIN_SCALE: tl.constexpr, MROPE: tl.constexpr,
+    SEC_T: tl.constexpr, SEC_H: tl.constexpr, SEC_W: tl.constexpr, PAGED: tl.constexpr,
+    K_SCALED: tl.constexpr, V_SCALED: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_T: tl.constexpr,
+    INTERPRETER: tl.constexpr,
+):
+    """Grid: (cdiv(T, BLOCK_T), cdiv(Hq, BLOCK_HQ) + cdiv(Hkv, BLOCK_HKV), B).
+
+    Token t of batch element b goes to cache row ``slot[t]`` of that element's cache; rows
+    outside ``[0, rows_per_batch)`` (e.g. -1 padding) are skipped, checked *before* the batch's
+    base is added, so row -1 of batch b never lands in batch b - 1.
+
+    Aliasing contract: every element a program stores was loaded by that same program first,
+    so ``q_out`` may be ``q`` itself (and ``k_out`` ``k``); nothing else may overlap.
+    """
+    HALF: tl.constexpr = D // 2
+    pid_t = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    eps = tl.cast(eps, tl.float32)
+
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = t < T
+    t64 = t.to(tl.int64)
+    t3 = t64[None, :, None]
+    pos_off = b * stride_pos_b + t64 * stride_pos_t
+    n_q_blocks = (Hq + BLOCK_HQ - 1) // BLOCK_HQ  # not tl.cdiv: see _row_sum
+    d_lo = tl.arange(0, HALF).to(tl.int64)[None, None, :]
+    d_hi = d_lo + HALF
+
+    # Triton needs a value assigned in both branches to have one type, so names differ by branch.
+    if pid_h < n_q_blocks:
+        hq = (pid_h * BLOCK_HQ + tl.arange(0, BLOCK_HQ))[:, None, None]
+        q_mask = (hq < Hq) & (t3 < T)
+        hq64 = hq.to(tl.int64)
+        q_lo, q_hi = _norm_rope_tile(
+            q_ptr, b * stride_q_b + hq64 * stride_q_h + t3 * stride_q_t, stride_q_d, q_mask,
+            q_w_ptr, stride_q_w, pos_ptr, pos_off, t_mask, inv_freq_ptr, stride_inv_freq,
+            stride_pos_r, eps, D, ROT, GPTJ, HF_NORM, W_OFFSET, COS_SIN_SCALE, MROPE, SEC_T,
+            SEC_H, SEC_W, INTERPRETER)
+        qo_row = b * stride_qo_b + hq64 * stride_qo_h + t3 * stride_qo_t
+        tl.store(q_out_ptr + qo_row + d_lo * stride_qo_d, q_lo, mask=q_mask)
+        tl.store(q_out_ptr + qo_row + d_hi * stride_qo_d, q_hi, mask=q_mask)
+    else:
+        hk = ((pid_h - n_q_blocks) * BLOCK_HKV + tl.arange(0, BLOCK_HKV))[:, None, None]
+        k_mask = (hk < Hkv) & (t3 < T)
+        hk64 = hk.to(tl.int64)
+        d_full = tl.arange(0, D).to(tl.int64)[None, None, :]
+        v = tl.load(v_ptr + b * stride_v_b + hk64 * stride_v_h + t3 * stride_v_t
+                    + d_full * stride_v_d, mask=k_mask, other=0.0)
+        row = tl.load(slot_ptr + t64 * stride_slot, mask=t_mask, other=-1).to(tl.int64)
+        k_lo, k_hi = _norm_rope_tile(
+            k_ptr, b * stride_k_b + hk64 * stride_k_h + t3 * stride_k_t, stride_k_d, k_mask,
+            k_w_ptr, stride_k_w, pos_ptr, pos_off, t_mask, inv_freq_ptr, stride_inv_freq,
+            stride_pos_r, eps, D, ROT, GPTJ, HF_NORM, W_OFFSET, COS_SIN_SCALE, MROPE, SEC_T,
+            SEC_H, SEC_W, INTERPRETER)
+        ko_row = b * stride_ko_b + hk64 * stride_ko_h + t3 * stride_ko_t
+        tl.store(k_out_ptr + ko_row + d_lo * stride_ko_d, k_lo, mask=k_mask)
+        tl.store(k_out_ptr + ko_row + d_hi * stride_ko_d, k_hi, mask=k_mask)
+
+        row3 = row[None, :, None]
+        row_mask = k_mask & (row3 >= 0) & (row3 < rows_per_batch)
+        if PAGED:
+            kc_row = (row3 // block_size) * stride_kc_blk + (row3 % block_size) * stride_kc_row
+            vc_row = (row3 // block_size) * stride_vc_blk + (row3 % block_size) * stride_vc_row
+        else:
+            kc_row = row3 * stride_kc_row
+            vc_row = row3 * stride_vc_row
+        kc_row += b * stride_kc_b + hk64 * stride_kc_h
+        vc_row += b * stride_vc_b + hk64 * stride_vc_h
+        _store_cache(k_cache_ptr, kc_row + d_lo * stride_kc_d, k_lo, row_mask, k_scale_ptr, hk,
+                     Hkv, stride_k_scale, K_SCALED, INTERPRETER)
+        _store_cache(k_cache_ptr, kc_row + d_hi * stride_kc_d, k_hi, row_mask, k_scale_ptr, hk,
+                     Hkv, stride_k_scale, K_SCALED, INTERPRETER)
+        _store_cache(v_cache_ptr, vc_row + d_full * stride_vc_d, v, row_mask, v_scale_ptr, hk,
+                     Hkv, stride_v_scale, V_SCALED, INTERPRETER)
