@@ -1,81 +1,122 @@
-"""A/B of two versions of the fused kernel on suite workloads, in one process, interleaved:
-the working tree's kernel against the one at a git revision (docs/perf-notes.md, run 8).
+"""A/B of the op at a git revision against the working tree, through the public API, on the
+suite and the paged workloads, interleaved in one run (docs/perf-notes.md).
 
-    python benchmarks/kernel_ab.py --rev HEAD~1                 # all 13 workloads
-    python benchmarks/kernel_ab.py --rev 6fa308c --workloads 1,3,13
+    python benchmarks/kernel_ab.py --rev c847d97                  # every suite + paged row
+    python benchmarks/kernel_ab.py --rev HEAD~1 --workloads 1,2,p1 --rounds 3
 
-Both versions run with the tile the launcher picks for the workload and the same inputs; each
-is timed twice (SPEC §3 protocol, CUPTI, L2 flushed), alternating, and the medians of all calls
-are compared. The revision's kernel.py must take the launcher's current arguments.
+Each version runs in its own worker process (its own ``qkrope`` package: the revision's
+``src/`` from ``git archive``, or the working tree's), so versions whose launchers take other
+arguments compare fairly. Rounds alternate old, new, old, new...; per row the medians of all
+calls of each version are compared. GPU time: the SPEC protocol (CUPTI, L2 flushed before
+every call); host time: back-to-back eager calls with outputs allocated (native route).
 """
 
 import argparse
-import importlib.util
+import json
 import math
+import os
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 
-import torch
+WORKER = r"""
+import json, sys, torch, qkrope
+from qkrope.bench.timing import L2Flusher, cupti_call_times_us, host_time_per_call_us
+from qkrope.suite import SUITE, PAGED_SUITE, make_inputs, make_paged_inputs
+from qkrope.ops import _native
+rows, iters, host_calls = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3])
+load = getattr(_native, "build", None)
+(load(timeout=300) if load else _native.load(300))
+flush, out = L2Flusher(), {}
+for r in rows:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    if r.startswith("p"):
+        a = make_paged_inputs(PAGED_SUITE[int(r[1:]) - 1], device="cuda", generator=g)
+        op = qkrope.fused_qk_norm_rope_paged
+    else:
+        a = make_inputs(SUITE[int(r) - 1], device="cuda", generator=g)
+        op = qkrope.run
+    qo, ko = torch.empty_like(a[0]), torch.empty_like(a[1])
+    gpu = cupti_call_times_us(lambda: op(*a, query_out=qo, key_out=ko), flush, iters=iters)
+    host = host_time_per_call_us(lambda: op(*a), calls=host_calls) if host_calls else None
+    out[r] = dict(gpu=gpu, host=host)
+print("RESULT " + json.dumps(dict(rows=out, route=_native.status(), triton=__import__("triton").__version__)))
+"""
 
-from qkrope.bench.timing import L2Flusher, copy_bandwidth, cupti_call_times_us
-from qkrope.ops.qknorm_rope_cache import launcher
-from qkrope.ops.qknorm_rope_cache.launcher import launch, pick_config
-from qkrope.suite import SUITE, bytes_moved, make_inputs
 
-KERNEL = "src/qkrope/ops/qknorm_rope_cache/kernel.py"
+def tree_at(rev: str, into: str) -> str:
+    """``src/`` of ``rev`` unpacked under ``into``; returns the path to put on sys.path."""
+    archive = subprocess.run(["git", "archive", "--format=tar", rev, "src"], check=True,
+                             capture_output=True).stdout
+    path = os.path.join(into, "archive.tar")
+    with open(path, "wb") as f:
+        f.write(archive)
+    with tarfile.open(path) as tar:
+        tar.extractall(into, filter="data")
+    return os.path.join(into, "src")
 
 
-def kernel_at(rev: str):
-    """The @triton.jit kernel of ``KERNEL`` at git revision ``rev``, imported from a copy."""
-    source = subprocess.run(["git", "show", f"{rev}:{KERNEL}"], capture_output=True, text=True,
-                            check=True).stdout
-    path = tempfile.NamedTemporaryFile("w", suffix="_kernel_ab.py", delete=False)
-    path.write(source)
-    path.close()
-    spec = importlib.util.spec_from_file_location("kernel_ab_old", path.name)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["kernel_ab_old"] = module
-    spec.loader.exec_module(module)
-    return module.qknorm_rope_cache_kernel
+def run_worker(src: str, rows: list[str], iters: int, host_calls: int) -> dict:
+    env = dict(os.environ, PYTHONPATH=src)
+    out = subprocess.run([sys.executable, "-c", WORKER, ",".join(rows), str(iters),
+                          str(host_calls)], env=env, capture_output=True, text=True,
+                         timeout=900)
+    for line in out.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise RuntimeError(f"worker for {src} failed:\n{out.stderr[-3000:]}")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--rev", required=True, help="git revision of the 'old' kernel")
-    p.add_argument("--workloads", default=",".join(str(i) for i in range(1, 14)))
-    p.add_argument("--iters", type=int, default=40)
+    p.add_argument("--rev", required=True, help="git revision of the 'old' version")
+    p.add_argument("--workloads", default=",".join([*map(str, range(1, 14)), "p1", "p2", "p3"]),
+                   help="suite rows 1-13 and paged rows p1-p3 (default: all)")
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--host-calls", type=int, default=1000)
+    p.add_argument("--json", help="write every measured call here")
     args = p.parse_args()
 
-    versions = {"old": kernel_at(args.rev), "new": launcher.qknorm_rope_cache_kernel}
-    bw, flush = copy_bandwidth(), L2Flusher()
-    print(f"{torch.cuda.get_device_name()} | copy bandwidth {bw / 1e12:.2f} TB/s | old = "
-          f"{args.rev}, new = working tree")
-    print("| # | tokens | floor µs | old µs | new µs | new/old |\n|---|---|---|---|---|---|")
+    rows = args.workloads.split(",")
+    with tempfile.TemporaryDirectory() as tmp:
+        versions = {"old": tree_at(args.rev, tmp),
+                    "new": os.path.join(os.path.dirname(os.path.dirname(__file__)) or ".", "src")}
+        runs = {name: [] for name in versions}
+        for _ in range(args.rounds):
+            for name, src in versions.items():
+                runs[name].append(run_worker(src, rows, args.iters, args.host_calls))
+    import torch
+    import triton
+
+    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton "
+          f"{triton.__version__} | old = {args.rev} ({runs['old'][0]['route']}), new = working "
+          f"tree ({runs['new'][0]['route']}) | {args.rounds} rounds x {args.iters} calls, "
+          "interleaved")
+    print("| row | old µs | new µs | new/old | old host µs | new host µs | host new/old |\n"
+          "|---|---|---|---|---|---|---|")
     logs = {"old": 0.0, "new": 0.0}
-    which = [int(x) for x in args.workloads.split(",")]
-    for n in which:
-        w = SUITE[n - 1]
-        a = make_inputs(w, device="cuda")
-        q_out, k_out = torch.empty_like(a[0]), torch.empty_like(a[1])
-        cfg = pick_config(w.batch, a[0].shape[1], a[1].shape[1], w.seq_len, a[0].shape[3], False)
-        times = {name: [] for name in versions}
-        try:
-            for _ in range(2):
-                for name, kernel in versions.items():
-                    launcher.qknorm_rope_cache_kernel = kernel
-                    times[name] += cupti_call_times_us(
-                        lambda: launch(*a, q_out, k_out, cfg), flush, iters=args.iters)
-        finally:
-            launcher.qknorm_rope_cache_kernel = versions["new"]
-        med = {name: statistics.median(t) for name, t in times.items()}
-        for name in logs:
-            logs[name] += math.log(med[name]) / len(which)
-        floor = bytes_moved(w) / bw * 1e6
-        print(f"| {n} | {w.tokens} | {floor:.2f} | {med['old']:.2f} | {med['new']:.2f} | "
-              f"{med['new'] / med['old']:.3f} |", flush=True)
-    print(f"geomean µs: old {math.exp(logs['old']):.3f}, new {math.exp(logs['new']):.3f}")
+    suite_rows = [r for r in rows if not r.startswith("p")]
+    table = {}
+    for r in rows:
+        med = {n: statistics.median(t for run in runs[n] for t in run["rows"][r]["gpu"])
+               for n in versions}
+        host = {n: statistics.median(run["rows"][r]["host"] for run in runs[n])
+                if runs[n][0]["rows"][r]["host"] is not None else math.nan for n in versions}
+        if r in suite_rows:
+            for n in logs:
+                logs[n] += math.log(med[n]) / len(suite_rows)
+        table[r] = dict(gpu=med, host=host)
+        print(f"| {r} | {med['old']:.2f} | {med['new']:.2f} | {med['new'] / med['old']:.3f} | "
+              f"{host['old']:.2f} | {host['new']:.2f} | {host['new'] / host['old']:.3f} |",
+              flush=True)
+    if suite_rows:
+        print(f"suite geomean µs: old {math.exp(logs['old']):.3f}, new {math.exp(logs['new']):.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(rev=args.rev, table=table, runs=runs), f)
 
 
 if __name__ == "__main__":

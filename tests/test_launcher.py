@@ -1,228 +1,252 @@
-"""The cached direct launch (GPU fast path), exercised on any machine with a stand-in for
-Triton's compiled kernel: it must pass exactly the arguments Triton's own launch got, and only
-for the argument signature it was built from."""
+"""The native fast path (``ops/_launch.py`` + ``csrc/fast_path.cpp``), exercised on any machine
+with a stand-in for Triton's compiled kernel: a repeated call passes exactly the parameters
+Triton's own launch got, and only for the argument signature its plan was built from."""
+
+import struct
+import warnings
 
 import pytest
 import torch
 from helpers import Case, make_inputs
+from test_qknorm_rope import PCase, make
 
-from qkrope.ops import _direct_launch, _native
-from qkrope.ops.qknorm_rope_cache import launcher
-from qkrope.ops.qknorm_rope_cache.kernel import qknorm_rope_cache_kernel
+import qkrope
+from qkrope.ops import _launch, _native
+from qkrope.ops.qknorm_rope import launcher
+from qkrope.ops.qknorm_rope.kernel import qknorm_rope_kernel
 
-
-class Recorder:
-    """A callable that records its calls (stands in for a launch function)."""
-
-    def __init__(self):
-        self.calls = []
-
-    def __call__(self, *args):
-        self.calls.append(args)
-
-
-class FakeLauncher:
-    """Stands in for Triton 3.6's CudaLauncher: the direct path calls its C ``launch``."""
-
-    global_scratch_size = profile_scratch_size = 0
-    launch_cooperative_grid = launch_pdl = False
-
-    def __init__(self):
-        self.launch = Recorder()
+_FORMATS = {"p": "Q", "i": "i", "l": "q", "f": "f"}
 
 
 class FakeCompiled:
-    """Stands in for triton's CompiledKernel: records direct launches, either through the C
-    launch function (``c_launch``) or through ``CompiledKernel.run`` (the fallback)."""
+    """Stands in for Triton's CompiledKernel: what the native plan reads of it."""
 
-    function = "function-handle"
-    packed_metadata = "packed-metadata"
+    function = 0
 
-    def __init__(self, c_launch=True):
-        self.c_launch = c_launch
-        self.run = FakeLauncher() if c_launch else Recorder()
-
-    @property
-    def runs(self):
-        """Each direct launch as ``(grid, stream, kernel arguments)``, after checking the
-        launcher arguments between the stream and the kernel's own."""
-        out = []
-        for call in (self.run.launch if self.c_launch else self.run).calls:
-            middle = ((self.function, False, False, None, None, self.packed_metadata, None,
-                       None, None) if self.c_launch
-                      else (self.function, self.packed_metadata, None, None, None))
-            assert call[4:4 + len(middle)] == middle
-            out.append((call[:3], call[3], call[4 + len(middle):]))
-        return out
+    def __init__(self, signature):
+        self.src = type("Src", (), {"signature": signature})()
+        self.metadata = type("Md", (), {"num_ctas": 1, "num_warps": 2, "shared": 0})()
+        self.run = type("Run", (), dict(launch_cooperative_grid=False, launch_pdl=False,
+                                        global_scratch_size=0, profile_scratch_size=0))()
 
 
 class FakeJit:
-    """Stands in for the @triton.jit kernel: records Triton-path launches."""
+    """Stands in for the @triton.jit kernel: records checked launches (keyword arguments) and
+    returns a FakeCompiled whose signature types them as Triton would (1 is specialised)."""
 
-    arg_names = qknorm_rope_cache_kernel.arg_names
+    arg_names = qknorm_rope_kernel.arg_names
+    fn = qknorm_rope_kernel.fn
 
-    def __init__(self, c_launch=True):
+    def __init__(self):
         self.launches = []
-        self.compiled = FakeCompiled(c_launch)
 
     def __getitem__(self, grid):
-        def launch(*args, **meta):
-            self.launches.append((grid, args, meta))
-            return self.compiled
+        def launch(**kwargs):
+            self.launches.append((grid, kwargs))
+            return FakeCompiled({n: _triton_type(kwargs[n]) for n in self.arg_names})
         return launch
 
 
-def pin_helpers(monkeypatch, native: bool) -> None:
-    """Pin the fast path's helpers (signature, outputs) to native or Python for a test (no
-    background build switching them), and let plans be made although the interpreter runs."""
-    module = _native.load(force=True) if native else None
-    monkeypatch.setattr(_native, "start_build", lambda force=False: None)
-    if native and module is None:
+def _triton_type(x):
+    if isinstance(x, torch.Tensor):
+        return "*" + str(x.dtype).removeprefix("torch.")
+    if isinstance(x, float):
+        return "fp32"
+    if isinstance(x, bool) or x is None or isinstance(x, str) or x == 1:
+        return "constexpr"
+    return "i32" if -2**31 <= x < 2**31 else "i64"
+
+
+def triton_params(names, kwargs, signature) -> bytes:
+    """The kernel parameters of a Triton launch as the driver receives them: each runtime
+    argument at its C size (tensors as addresses), constexprs left out, two null scratch
+    pointers appended."""
+    out = b""
+    for n in names:
+        kind = _launch.param_kinds({n: signature[n]})[0]
+        if kind == "c":
+            continue
+        v = kwargs[n]
+        out += struct.pack("<" + _FORMATS[kind], v.data_ptr() if isinstance(v, torch.Tensor) else v)
+    return out + struct.pack("<QQ", 0, 0)
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """Native helpers built and pinned; plans made without a driver (check_driver=False) and
+    'launched' by recording the parameters the driver would get."""
+    module = _native.load(force=True)
+    if module is None:
         pytest.skip(f"native helpers unavailable: {_native.status()}")
-    monkeypatch.setattr(_native, "signature_fn", lambda: module and module.signature)
-    monkeypatch.setattr(_native, "outputs_fn", lambda: module and module.outputs)
-    monkeypatch.setattr(_native, "module", lambda: module)
-    monkeypatch.setattr(_direct_launch, "interpreting", lambda: False)
+    runs = []
+
+    class Module:
+        signature, outputs, params = module.signature, module.outputs, module.params
+
+        @staticmethod
+        def make_launch(*args):
+            return module.make_launch(*args, False)
+
+        @staticmethod
+        def launch(plan, stream, *values):
+            runs.append((stream, module.params(plan, *values)))
+
+    jit = FakeJit()
+    for name, value in (("signature_fn", lambda: Module.signature),
+                        ("outputs_fn", lambda: Module.outputs), ("module", lambda: Module),
+                        ("start_build", lambda force=False: None)):
+        monkeypatch.setattr(_native, name, value)
+    monkeypatch.setattr(_launch, "interpreting", lambda: False)
+    monkeypatch.setattr(_launch, "raw_stream", lambda index: 1234)
+    monkeypatch.setattr(_launch, "current_device", lambda: -1)  # CPU get_device()
+    monkeypatch.setattr(_launch, "_no_launch_hooks", lambda: True)
+    monkeypatch.setattr(launcher.LAUNCHER, "kernel", jit)
+    monkeypatch.setattr(launcher.LAUNCHER, "plans", {})
+    monkeypatch.setattr(torch.cuda, "device", lambda d: _Nothing())
+    return jit, runs
 
 
-@pytest.fixture(params=[(True, False), (False, False), (True, True)],
-                ids=["c-launch", "run", "c-launch-native-helpers"])
-def fake(monkeypatch, request):
-    c_launch, native = request.param
-    pin_helpers(monkeypatch, native)
-    jit = FakeJit(c_launch)
-    monkeypatch.setattr(launcher, "qknorm_rope_cache_kernel", jit)
-    monkeypatch.setattr(_direct_launch, "fast_path_ok", lambda: True)
-    monkeypatch.setattr(launcher, "fast_path_ok", lambda: True)
-    monkeypatch.setattr(_direct_launch, "raw_stream", lambda index: 1234)
-    monkeypatch.setattr(_direct_launch, "current_device", lambda: -1)  # CPU get_device()
-    monkeypatch.setattr(launcher, "_PLANS", _direct_launch.PlanCache())
-    return jit
+class _Nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
 
 
-def test_direct_launch_passes_what_triton_got(fake):
+def bhsd_call(variant):
     args = make_inputs(Case(B=2, S=5, noncontig=True))
-    q_out, k_out = torch.empty_like(args[0]), torch.empty_like(args[1])
-    launcher.fused_rope_with_qk_norm_and_kv_cache_update(*args, query_out=q_out, key_out=k_out)
-    assert len(fake.launches) == 1 and not fake.compiled.runs
-    launcher.fused_rope_with_qk_norm_and_kv_cache_update(*args, query_out=q_out, key_out=k_out)
-    assert len(fake.launches) == 1 and len(fake.compiled.runs) == 1, "second call not direct"
-
-    grid, triton_args, meta = fake.launches[0]
-    run_grid, stream, direct = fake.compiled.runs[0]
-    assert run_grid == grid and stream == 1234
-    constexprs = tuple(meta[n] for n in FakeJit.arg_names[len(triton_args):])
-    assert_same_arguments(FakeJit.arg_names, direct, (*triton_args, *constexprs))
+    kwargs = dict(query_out=torch.empty_like(args[0]), key_out=torch.empty_like(args[1]))
+    if variant == "mrope":
+        kwargs.update(mrope_section=(12, 10, 10), mrope_interleaved=True)
+        args = (*args[:3], torch.stack([args[3], args[3] + 1, args[3] * 2]), *args[4:])
+    return qkrope.fused_rope_with_qk_norm_and_kv_cache_update, args, kwargs
 
 
-def assert_same_arguments(names, direct, triton_args):
-    """The direct launch passes each tensor as its address and every other argument as is."""
-    for name, a, b in zip(names, direct, triton_args, strict=True):
-        if isinstance(b, torch.Tensor):
-            assert type(a) is int and a == b.data_ptr(), f"argument {name}: {a!r} is not {b}'s address"
-        else:
-            assert type(a) is type(b) and a == b, f"argument {name}: direct {a!r} != Triton's {b!r}"
+def paged_call(variant):
+    fp8 = variant.startswith("fp8")
+    args, kwargs = make(PCase(cache_dtype=torch.float8_e4m3fn if fp8 else None,
+                              per_head_scale=variant == "fp8-per-head", style="gptj",
+                              rotary_dim=32))
+    kwargs.update(query_out=torch.empty_like(args[0]), key_out=torch.empty_like(args[1]))
+    return qkrope.fused_qk_norm_rope_paged, args, kwargs
 
 
-def test_new_signature_takes_the_checked_path(fake):
-    args = list(make_inputs(Case(B=2, S=5)))
-    launcher.fused_rope_with_qk_norm_and_kv_cache_update(*args)
-    launcher.fused_rope_with_qk_norm_and_kv_cache_update(*args)
-    assert len(fake.launches) == 1 and len(fake.compiled.runs) == 1
+CALLS = {"bhsd": lambda: bhsd_call(""), "bhsd-mrope": lambda: bhsd_call("mrope"),
+         "paged-gptj-partial": lambda: paged_call(""), "paged-fp8": lambda: paged_call("fp8"),
+         "paged-fp8-per-head": lambda: paged_call("fp8-per-head")}
+
+
+@pytest.mark.parametrize("name", list(CALLS))
+def test_fast_path_passes_what_triton_got(fake, name):
+    jit, runs = fake
+    op, args, kwargs = CALLS[name]()
+    op(*args, **kwargs)
+    assert len(jit.launches) == 1 and not runs
+    op(*args, **kwargs)
+    assert len(jit.launches) == 1 and len(runs) == 1, "second call not through the plan"
+    grid, triton_args = jit.launches[0]
+    stream, params = runs[0]
+    assert stream == 1234
+    expected = triton_params(FakeJit.arg_names, triton_args,
+                             {n: _triton_type(triton_args[n]) for n in FakeJit.arg_names})
+    if "k_scale" not in kwargs:  # unscaled: Triton got a dummy pointer, the plan null
+        expected, params = _null_scales(expected, triton_args), _null_scales(params, triton_args)
+    assert params == expected
+
+
+def _null_scales(params: bytes, triton_args) -> bytes:
+    """Zero the (unread) scale pointer slots of an unscaled call."""
+    offset = 0
+    out = bytearray(params)
+    for n in FakeJit.arg_names:
+        kind = _launch.param_kinds({n: _triton_type(triton_args[n])})[0]
+        if kind == "c":
+            continue
+        size = struct.calcsize(_FORMATS[kind])
+        if n in ("k_scale_ptr", "v_scale_ptr"):
+            out[offset:offset + size] = bytes(size)
+        offset += size
+    return bytes(out)
+
+
+@pytest.mark.parametrize("name", ["bhsd", "paged-fp8"])
+def test_new_signature_takes_the_checked_path(fake, name):
+    jit, runs = fake
+    op, args, kwargs = CALLS[name]()
+    args = list(args)
+    op(*args, **kwargs)
+    op(*args, **kwargs)
+    assert len(jit.launches) == 1 and len(runs) == 1
     # Same shapes, other strides (a transposed copy viewed back): a new signature.
-    args[0] = args[0].transpose(1, 2).contiguous().transpose(1, 2)
-    launcher.fused_rope_with_qk_norm_and_kv_cache_update(*args)
-    assert len(fake.launches) == 2
+    args[0] = args[0].transpose(0, 1).contiguous().transpose(0, 1)
+    op(*args, **kwargs)
+    assert len(jit.launches) == 2
     # A non-float epsilon is checked (and converted) on the checked path, never reused blindly.
-    launcher.fused_rope_with_qk_norm_and_kv_cache_update(*args[:10], 1)
-    assert len(fake.launches) == 3
+    op(*args[:10], 1, **kwargs)
+    assert len(jit.launches) == 3
     with pytest.raises(ValueError, match="rms_norm_eps"):
-        launcher.fused_rope_with_qk_norm_and_kv_cache_update(*args[:10], -1.0)
+        op(*args[:10], -1.0, **kwargs)
+    op(*args, **{**kwargs, "rotary_style": "gptj" if name == "bhsd" else "neox"})
+    assert len(jit.launches) == 4, "options are part of the signature"
 
 
 def test_allocated_outputs_match_the_checked_path(fake):
+    jit, runs = fake
     args = make_inputs(Case(B=2, S=5))
-    q1, k1, _, _ = launcher.fused_rope_with_qk_norm_and_kv_cache_update(*args)
-    q2, k2, _, _ = launcher.fused_rope_with_qk_norm_and_kv_cache_update(*args)
-    assert fake.compiled.runs, "second call not direct"
+    q1, k1, _, _ = qkrope.run(*args)
+    q2, k2, _, _ = qkrope.run(*args)
+    assert runs, "second call not through the plan"
     for a, b in ((q1, q2), (k1, k2)):
         assert (a.shape, a.stride(), a.dtype, a.device) == (b.shape, b.stride(), b.dtype,
                                                             b.device)
 
 
-def test_direct_launch_makes_the_tensors_device_current(fake, monkeypatch):
+def test_fast_path_makes_the_tensors_device_current(fake, monkeypatch):
+    jit, runs = fake
     entered = []
 
-    class FakeDevice:
+    class FakeDevice(_Nothing):
         def __init__(self, index):
             entered.append(index)
 
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
     args = make_inputs(Case(S=2))
-    launcher.fused_rope_with_qk_norm_and_kv_cache_update(*args)
+    qkrope.run(*args)
     monkeypatch.setattr(torch.cuda, "device", FakeDevice)
-    monkeypatch.setattr(_direct_launch, "current_device", lambda: 7)  # another device current
-    launcher.fused_rope_with_qk_norm_and_kv_cache_update(*args)
-    assert entered == [args[0].get_device()] and len(fake.compiled.runs) == 1
+    monkeypatch.setattr(_launch, "current_device", lambda: 7)  # another device current
+    qkrope.run(*args)
+    assert entered == [args[0].get_device()] and len(runs) == 1
 
 
-@pytest.fixture(params=[(True, False), (False, False), (True, True)],
-                ids=["c-launch", "run", "c-launch-native-helpers"])
-def fake_paged(monkeypatch, request):
-    from qkrope.ops.qknorm_rope_paged import launcher as paged
-    from qkrope.ops.qknorm_rope_paged.kernel import qknorm_rope_paged_kernel
-
-    c_launch, native = request.param
-    pin_helpers(monkeypatch, native)
-    jit = FakeJit(c_launch)
-    jit.arg_names = qknorm_rope_paged_kernel.arg_names
-    monkeypatch.setattr(paged, "qknorm_rope_paged_kernel", jit)
-    monkeypatch.setattr(_direct_launch, "fast_path_ok", lambda: True)
-    monkeypatch.setattr(paged, "fast_path_ok", lambda: True)
-    monkeypatch.setattr(_direct_launch, "raw_stream", lambda index: 1234)
-    monkeypatch.setattr(_direct_launch, "current_device", lambda: -1)
-    monkeypatch.setattr(paged, "_PLANS", _direct_launch.PlanCache())
-    return paged, jit
-
-
-@pytest.mark.parametrize("fp8, per_head", [(False, False), (True, False), (True, True)])
-def test_paged_direct_launch_passes_what_triton_got(fake_paged, fp8, per_head):
-    from test_paged import PCase, make
-
-    paged, jit = fake_paged
-    args, kwargs = make(PCase(cache_dtype=torch.float8_e4m3fn if fp8 else None,
-                              per_head_scale=per_head, style="gptj", rotary_dim=32))
-    q_out, k_out = torch.empty_like(args[0]), torch.empty_like(args[1])
-    for _ in range(2):
-        paged.fused_qk_norm_rope_paged(*args, **kwargs, query_out=q_out, key_out=k_out)
-    assert len(jit.launches) == 1 and len(jit.compiled.runs) == 1
-    grid, triton_args, meta = jit.launches[0]
-    run_grid, stream, direct = jit.compiled.runs[0]
-    assert len(grid) == 2 and run_grid == (*grid, 1)  # a 2-D grid, padded for the launcher
-    assert stream == 1234
-    constexprs = tuple(meta[n] for n in jit.arg_names[len(triton_args):])
-    assert_same_arguments(jit.arg_names, direct, (*triton_args, *constexprs))
-
-
-def test_paged_signature_tracks_scales_and_options(fake_paged):
-    from test_paged import PCase, make
-
-    paged, jit = fake_paged
+def test_paged_signature_tracks_scales_and_options(fake):
+    jit, runs = fake
     args, kwargs = make(PCase(cache_dtype=torch.float8_e4m3fn))
-    call = paged.fused_qk_norm_rope_paged
+    call = qkrope.fused_qk_norm_rope_paged
     call(*args, **kwargs)
     call(*args, **kwargs)
-    assert len(jit.launches) == 1
-    call(*args, **{**kwargs, "k_scale": 0.5})          # another float scale: another signature
-    call(*args, **{**kwargs, "k_scale": 1})            # an int scale works like 1.0
-    call(*args, **{**kwargs, "k_scale": 1.0})
-    assert len(jit.launches) == 3 and len(jit.compiled.runs) == 2
+    assert len(jit.launches) == 1 and len(runs) == 1
+    call(*args, **{**kwargs, "k_scale": 0.5})   # another float scale: the same plan, per call
+    assert len(jit.launches) == 1 and len(runs) == 2
+    call(*args, **{**kwargs, "k_scale": 1})     # an int scale is checked, then works like 1.0
+    assert len(jit.launches) == 2
+    for bad in (float("nan"), -1.0, 0.0):       # never through the plan unchecked
+        with pytest.raises(ValueError, match="k_scale"):
+            call(*args, **{**kwargs, "k_scale": bad})
     with pytest.raises(TypeError, match="k_scale"):
         call(*args, **{**kwargs, "k_scale": "0.5"})
     call(*args, **{**kwargs, "rotary_style": "gptj"})  # options are part of the signature
-    assert len(jit.launches) == 4
+    assert len(jit.launches) == 3
+
+
+def test_unverified_triton_takes_tritons_launch_with_one_warning(fake, monkeypatch):
+    jit, runs = fake
+    monkeypatch.setattr(_launch.triton, "__version__", "9.9.0")
+    monkeypatch.setattr(_launch, "_warned", set())
+    args = make_inputs(Case(S=2))
+    with pytest.warns(UserWarning, match="Triton 9.9.0"):
+        qkrope.run(*args)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        qkrope.run(*args)
+    assert len(jit.launches) == 2 and not runs and not launcher.LAUNCHER.plans
+    assert _launch.route()[0] == "triton" and "9.9.0" in _launch.route()[1]

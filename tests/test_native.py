@@ -1,7 +1,7 @@
-"""The native fast-path helpers (qkrope/ops/csrc/fast_path.cpp) against the Python ones they
-replace: two calls get equal native keys exactly when they get equal Python keys, and the same
-addresses; outputs are allocated as torch.empty_like(contiguous) would, given ones passed
-through."""
+"""The native fast-path helpers (qkrope/ops/csrc/fast_path.cpp) against plain Python: two calls
+get equal native keys exactly when their tensors' (shape, strides, dtype, device, 16 B
+alignment) are equal, and the same addresses; outputs are allocated as
+torch.empty_like(contiguous) would, given ones passed through."""
 
 import itertools
 import shutil
@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from qkrope.ops import _direct_launch, _native
+from qkrope.ops import _launch, _native
 
 
 @pytest.fixture(scope="module")
@@ -26,15 +26,17 @@ def native(module):
     return module.signature
 
 
-def signature_with(fn, tensors):
-    """_direct_launch.signature with the native function ``fn`` (None: the Python one)."""
-    addresses = []
-    orig = _native.signature_fn
-    _native.signature_fn = lambda: fn
-    try:
-        return _direct_launch.signature("opts", tensors, addresses), addresses
-    finally:
-        _native.signature_fn = orig
+def python_key(tensors):
+    """What the signature must capture, in Python: (key, addresses)."""
+    key, addresses = [], []
+    for t in tensors:
+        if t is None:
+            key.append(None)
+            addresses.append(None)
+        else:
+            key.append((t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() % 16 == 0))
+            addresses.append(t.data_ptr())
+    return tuple(key), addresses
 
 
 def variants():
@@ -60,8 +62,8 @@ def test_native_keys_equal_exactly_when_python_keys_do(native):
     vs = list(variants().values())
     calls = [*itertools.product(vs, repeat=2), *((a, None, b) for a, b in
                                                   itertools.product(vs[:5], repeat=2))]
-    py = [signature_with(None, c) for c in calls]
-    nat = [signature_with(native, c) for c in calls]
+    py = [python_key(c) for c in calls]
+    nat = [native(*c) for c in calls]
     for (pk, pa), (nk, na) in zip(py, nat):
         assert pk is not None and nk is not None and pa == na
     for i, j in itertools.product(range(len(calls)), repeat=2):
@@ -81,24 +83,14 @@ def test_native_signature_rejects_what_the_checked_path_must_see(native):
     assert isinstance(key, bytes) and addrs == [t.data_ptr(), None]
 
 
-def outputs_with(fn, query, key, query_out, key_out):
-    """_direct_launch.outputs with the native function ``fn`` (None: the Python one)."""
-    orig = _native.outputs_fn
-    _native.outputs_fn = lambda: fn
-    try:
-        return _direct_launch.outputs(query, key, query_out, key_out)
-    finally:
-        _native.outputs_fn = orig
-
-
 @pytest.mark.parametrize("given", ["none", "query_out", "both"])
 def test_native_outputs_match_python(module, given):
     v = variants()
     query, key = v["transposed"], v["offset view (2 B: unaligned)"].half()
     q_given = torch.empty_like(query) if given != "none" else None
     k_given = torch.empty_like(key) if given == "both" else None
-    for fn in (None, module.outputs):
-        q_out, k_out, q_addr, k_addr = outputs_with(fn, query, key, q_given, k_given)
+    for _ in range(2):
+        q_out, k_out, q_addr, k_addr = module.outputs(query, key, q_given, k_given)
         for out, like, g, addr in ((q_out, query, q_given, q_addr), (k_out, key, k_given, k_addr)):
             if g is not None:
                 assert out is g
@@ -122,9 +114,9 @@ def test_native_outputs_raise_torch_errors(module):
 def test_param_kinds_follow_tritons_abi():
     sig = {"q": "*bf16", "pos": "*i64", "eps": "fp32", "S": "i32", "L": "i64", "one": "constexpr",
            "flag": "i1", "u": "u64", "BLOCK": "constexpr"}
-    assert _direct_launch.param_kinds(sig) == "ppfilcbLcpp"  # + global and profile scratch
-    assert _direct_launch.param_kinds({"x": "fp16"}) is None  # scalars it does not pack
-    assert _direct_launch.param_kinds({"d": ("*bf16", "i32")}) is None  # tuples
+    assert _launch.param_kinds(sig) == "ppfilcbLcpp"  # + global and profile scratch
+    assert _launch.param_kinds({"x": "fp16"}) is None  # scalars it does not pack
+    assert _launch.param_kinds({"d": ("*bf16", "i32")}) is None  # tuples
 
 
 def test_native_launch_plan_packs_parameters(module):
@@ -135,7 +127,7 @@ def test_native_launch_plan_packs_parameters(module):
     kinds = "ppfilcbLhHIBdpp"
     values = (None, None, None, 7, -(2**40), "ignored", 1, 2**63 + 5, -3, 65535, 2**31, 255,
               0.1, None, None)
-    plan = module.make_launch(0, 4, 2, 1, 128, 0, 0, kinds, values, 3, False)
+    plan = module.make_launch(0, 4, 2, 1, 128, 0, 0, kinds, values, (0, 1, 2), False)
     for a, b, eps in ((0x7F00_0000_0010, None, 1e-6), (16, 2**64 - 16, 3.5)):
         expected = struct.pack("<QQfiqbQhHIBdQQ", a, b or 0, eps, 7, -(2**40), 1, 2**63 + 5, -3,
                                65535, 2**31, 255, 0.1, 0, 0)
@@ -143,10 +135,21 @@ def test_native_launch_plan_packs_parameters(module):
     with pytest.raises(TypeError):
         module.params(plan, 16, 16)  # per-call arity is fixed by the plan
     with pytest.raises(OverflowError):
-        module.make_launch(0, 1, 1, 1, 32, 0, 0, "pi", (None, 2**31), 1, False)
+        module.make_launch(0, 1, 1, 1, 32, 0, 0, "pi", (None, 2**31), (0,), False)
     with pytest.raises(OverflowError):
         module.params(plan, -16, None, 1.0)  # an address is unsigned
     with pytest.raises(ValueError):
-        module.make_launch(0, 1, 1, 1, 32, 0, 0, "pz", (None, 1), 1, False)
+        module.make_launch(0, 1, 1, 1, 32, 0, 0, "pz", (None, 1), (0,), False)
+    with pytest.raises(ValueError):  # a per-call argument must be a kernel parameter
+        module.make_launch(0, 1, 1, 1, 32, 0, 0, "pc", (None, 1), (1,), False)
     # With the driver check: no plan for a function the driver does not know (nor without one).
-    assert module.make_launch(0, 1, 1, 1, 32, 0, 0, "pp", (None, None), 0) is None
+    assert module.make_launch(0, 1, 1, 1, 32, 0, 0, "pp", (None, None), ()) is None
+
+
+def test_native_plan_takes_per_call_values_by_position_in_the_kernel(module):
+    """Per-call parameters may sit anywhere among the kernel's: their slots are named."""
+    import struct
+
+    plan = module.make_launch(0, 1, 1, 1, 32, 0, 0, "ipcfpp", (5, None, 3, 0.0, None, None),
+                              (3, 1), False)
+    assert module.params(plan, 2.5, 64) == struct.pack("<iQfQQ", 5, 64, 2.5, 0, 0)

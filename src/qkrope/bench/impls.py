@@ -14,9 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops.qknorm_rope_cache import fused_rope_with_qk_norm_and_kv_cache_update
-from ..ops.qknorm_rope_cache.reference import qknorm_rope_cache_ref
-from ..ops.qknorm_rope_paged import fused_qk_norm_rope_paged, qknorm_rope_paged_ref
+from ..ops.qknorm_rope import fused_qk_norm_rope_paged, fused_rope_with_qk_norm_and_kv_cache_update
+from ..ops.qknorm_rope.reference import qknorm_rope_cache_ref, qknorm_rope_paged_ref
 from ..suite import make_inputs, make_paged_inputs
 
 __all__ = ["Impl", "IMPLS", "PAGED_IMPLS", "Layout", "LAYOUTS", "resolve_impls",
@@ -34,7 +33,7 @@ class Impl:
 
 def _eager_reference() -> OpFn:
     # Rows of the suite are always in range: one index_copy_ per cache, no host sync.
-    return functools.partial(qknorm_rope_cache_ref, skip_out_of_range=False)
+    return functools.partial(qknorm_rope_cache_ref, skip_out_of_range=False, inplace=True)
 
 
 def _compile(fn: OpFn) -> OpFn:
@@ -108,7 +107,7 @@ def _paged_outputs(op: OpFn) -> OpFn:
 def _paged_unfused() -> OpFn:
     """The unfused serving sequence: RMSNorm, RoPE and the cache write as separate eager ops
     (slots of the benchmark are all valid: no filtering, no host sync)."""
-    return _paged_outputs(functools.partial(qknorm_rope_paged_ref, skip_out_of_range=False))
+    return functools.partial(qknorm_rope_paged_ref, skip_out_of_range=False, inplace=True)
 
 
 def _paged_compiled() -> OpFn:
@@ -145,11 +144,11 @@ def with_fresh_caches(args: tuple) -> tuple:
 
 
 def _paged_reference(args: tuple) -> tuple:
-    return _paged_outputs(qknorm_rope_paged_ref)(*with_fresh_caches(args))
+    return qknorm_rope_paged_ref(*args)  # fresh caches
 
 
 LAYOUTS: dict[str, Layout] = {
-    "bhsd": Layout("bhsd", make_inputs, lambda a: qknorm_rope_cache_ref(*a, inplace=False),
+    "bhsd": Layout("bhsd", make_inputs, lambda a: qknorm_rope_cache_ref(*a),  # fresh caches
                    IMPLS),
     "paged": Layout("paged", make_paged_inputs, _paged_reference, PAGED_IMPLS),
 }

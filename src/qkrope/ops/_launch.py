@@ -217,8 +217,10 @@ class KernelLauncher:
         kinds = param_kinds(signature)
         if kinds is None:
             return None
-        values = tuple(_address(args[n]) if n in args else meta[n] for n in names)
         varying = tuple(names.index(n) for n in self.per_call)
+        if any(kinds[i] == "c" for i in varying):  # specialised away: not a per-call parameter
+            return None
+        values = tuple(_address(args[n]) if n in args else meta[n] for n in names)
         grid = (*grid, 1, 1)[:3]
         return module.make_launch(compiled.function, *grid, 32 * md.num_warps, md.shared,
                                   device_index, kinds, (*values, None, None), varying)

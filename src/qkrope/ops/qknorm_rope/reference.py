@@ -141,8 +141,11 @@ def qknorm_rope_cache_ref(
         L = key_cache.shape[2]
         keep = (cache_position >= 0) & (cache_position < L)
         rows, k_new, v_new = rows[keep], k_rot[:, :, keep], value[:, :, keep]
-    key_cache.index_copy_(2, rows, _quantize(k_new, key_cache.dtype, k_scale, 1))
-    value_cache.index_copy_(2, rows, _quantize(v_new, value_cache.dtype, v_scale, 1))
+    for cache, new, scale in ((key_cache, k_new, k_scale), (value_cache, v_new, v_scale)):
+        new = _quantize(new, cache.dtype, scale, 1)
+        if cache.dtype in _FP8_MAX:  # index_copy_ has no float8 kernels: copy the bytes
+            cache, new = cache.view(torch.uint8), new.view(torch.uint8)
+        cache.index_copy_(2, rows, new)
     return q_rot, k_rot, key_cache, value_cache
 
 
