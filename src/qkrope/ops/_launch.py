@@ -111,15 +111,15 @@ class Plan(NamedTuple):
 
     handle: object    # the native plan (csrc/fast_path.cpp, make_launch)
     device_index: int
+    run: object       # the native module's launch function
 
     def launch(self, values: Sequence) -> None:
         """Launch with the per-call values (addresses, scalars) in the launcher's order."""
-        launch = _native.module().launch
         if current_device() == self.device_index:
-            launch(self.handle, raw_stream(self.device_index), *values)
+            self.run(self.handle, raw_stream(self.device_index), *values)
         else:  # a launch goes to the current device: make the tensors' device current
             with torch.cuda.device(self.device_index):
-                launch(self.handle, raw_stream(self.device_index), *values)
+                self.run(self.handle, raw_stream(self.device_index), *values)
 
 
 class KernelLauncher:
@@ -170,16 +170,21 @@ class KernelLauncher:
         """The whole fast path of an op whose per-call values are the ``inputs``' addresses,
         then ``query_out``'s and ``key_out``'s, then ``eps``: returns ``(query_out, key_out)``,
         or None where a checked call is needed (no plan yet, or an argument to check)."""
-        if not self.plans:
+        read = _native.signature_fn()
+        if read is None or not self.plans:
             return None
-        sig = self.signature(options, (*inputs, query_out, key_out))
-        if sig is None:
+        packed = read(*inputs, query_out, key_out)
+        if packed is None:
             return None
-        plan = self.find(sig[0])
+        try:
+            plan = self.plans.get((options, packed[0]))
+        except TypeError:  # an unhashable option: the checked path reports it
+            return None
         if plan is None or type(eps) is not float or not 0.0 <= eps < math.inf:
             return None
-        query_out, key_out, *sig[1][-2:] = _native.outputs_fn()(query, key, query_out, key_out)
-        plan.launch((*sig[1], eps))
+        addresses = packed[1]
+        query_out, key_out, *addresses[-2:] = _native.outputs_fn()(query, key, query_out, key_out)
+        plan.launch((*addresses, eps))
         return query_out, key_out
 
     def remember(self, key, compiled, grid: tuple, args: dict, meta: dict,
@@ -198,7 +203,7 @@ class KernelLauncher:
             return
         if len(self.plans) >= self.MAX_PLANS:
             self.plans.clear()
-        self.plans[key] = Plan(plan, device_index)
+        self.plans[key] = Plan(plan, device_index, _native.module().launch)
 
     def _native_plan(self, compiled, grid, args: dict, meta: dict, device_index: int):
         """A native launch plan for ``compiled``, or None where the native helpers are not

@@ -112,15 +112,19 @@ def fused_rope_with_qk_norm_and_kv_cache_update(
     Returns:
         ``(query_rotated, key_rotated, key_cache_out, value_cache_out)``.
     """
-    opts = Options("bhsd", rotary_style, rotary_dim, norm_weight_offset, norm_rounding,
-                   cos_sin_scale, _hashable(mrope_section), mrope_interleaved)
-    scales = _fast_scales(k_scale, v_scale, query)
+    # The fast path's key: a plain tuple of the options (an Options is built only when checked).
+    opts = ("bhsd", rotary_style, rotary_dim, norm_weight_offset, norm_rounding, cos_sin_scale,
+            mrope_section if type(mrope_section) is not list else tuple(mrope_section),
+            mrope_interleaved)
+    scales = (None, None) if k_scale is None and v_scale is None else _fast_scales(
+        k_scale, v_scale, query)
     if inplace and not validate and scales is not None and not torch.compiler.is_compiling():
         out = LAUNCHER.fast_call(opts, (query, key, value, position_ids, key_cache, value_cache,
                                         cache_position, q_norm_weight, k_norm_weight, inv_freq,
                                         *scales), query, key, query_out, key_out, rms_norm_eps)
         if out is not None:
             return (*out, key_cache, value_cache)
+    opts = Options(*opts)
     checked = check_bhsd(query, key, value, position_ids, key_cache, value_cache,
                          cache_position, q_norm_weight, k_norm_weight, inv_freq, rms_norm_eps,
                          opts)
@@ -188,15 +192,18 @@ def fused_qk_norm_rope_paged(
     Returns:
         ``(query_rotated [T, Hq, D], key_rotated [T, Hkv, D])``; the caches are written in place.
     """
-    opts = Options(cache_layout, rotary_style, rotary_dim, norm_weight_offset, norm_rounding,
-                   cos_sin_scale, _hashable(mrope_section), mrope_interleaved)
-    scales = _fast_scales(k_scale, v_scale, query)
+    opts = (cache_layout, rotary_style, rotary_dim, norm_weight_offset, norm_rounding,
+            cos_sin_scale, mrope_section if type(mrope_section) is not list else
+            tuple(mrope_section), mrope_interleaved)
+    scales = (None, None) if k_scale is None and v_scale is None else _fast_scales(
+        k_scale, v_scale, query)
     if not validate and scales is not None and not torch.compiler.is_compiling():
         out = LAUNCHER.fast_call(opts, (query, key, value, positions, key_cache, value_cache,
                                         slot_mapping, q_norm_weight, k_norm_weight, inv_freq,
                                         *scales), query, key, query_out, key_out, rms_norm_eps)
         if out is not None:
             return out
+    opts = Options(*opts)
     checked = check_paged(query, key, value, positions, key_cache, value_cache, slot_mapping,
                           q_norm_weight, k_norm_weight, inv_freq, rms_norm_eps, opts)
     bs = key_cache.shape[1] if checked.layout == "NHD" else key_cache.shape[2]
@@ -220,7 +227,7 @@ def _checked_call(opts: Options, checked: Options, tensors: tuple, k_scale, v_sc
         _validate(tensors[6], rows_bound, rows_name, k_sc, v_sc)
     inputs = (*tensors, k_sc, v_sc)
     signature = (None if torch.compiler.is_compiling()
-                 else LAUNCHER.signature(opts, (*inputs, query_out, key_out)))
+                 else LAUNCHER.signature(tuple(opts), (*inputs, query_out, key_out)))
     query_out, key_out = _outputs(query, key, query_out, key_out)
     result = qknorm_rope(
         *inputs, query_out, key_out, float(rms_norm_eps), checked.layout, checked.rotary_style,
@@ -230,10 +237,6 @@ def _checked_call(opts: Options, checked: Options, tensors: tuple, k_scale, v_sc
     if result is not None and signature is not None:  # eager: keep a plan for the fast path
         LAUNCHER.remember(signature[0], *result, query.get_device())
     return query_out, key_out
-
-
-def _hashable(section):
-    return tuple(section) if isinstance(section, list) else section
 
 
 def _fast_scales(k_scale, v_scale, query):

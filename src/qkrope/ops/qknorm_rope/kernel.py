@@ -118,7 +118,9 @@ def _load_weight(w_ptr, d, stride_w, W_OFFSET: tl.constexpr):
     Callers load the weights with the rows, before any sin/cos work: loaded inside the math
     they would sit behind its layout-conversion barriers, a serial memory round trip or two per
     program."""
-    w = tl.load(w_ptr + d.to(tl.int64) * stride_w).to(tl.float32)[None, None, :]
+    # Indexed in the rows' 3-D shape: a 1-D load expanded afterwards would need a layout
+    # conversion through shared memory (a barrier behind the load) before the rows load.
+    w = tl.load(w_ptr + d.to(tl.int64)[None, None, :] * stride_w).to(tl.float32)
     if W_OFFSET != 0.0:
         w = w + W_OFFSET
     return w
