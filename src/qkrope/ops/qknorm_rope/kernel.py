@@ -271,10 +271,14 @@ def _store_cache(cache_ptr, off, vals, mask, scale_ptr, h, Hkv, stride_scale,
         scale = tl.load(scale_ptr + h.to(tl.int64) * stride_scale, mask=h < Hkv, other=1.0)
         v = vals.to(tl.float32) / scale.to(tl.float32)
         clamped = tl.minimum(tl.maximum(v, -448.0), 448.0)
+        FP8 = cache_ptr.dtype.element_ty
         if INTERPRETER:
-            clamped = _round_e4m3(clamped)
-        v = tl.where(v != v, v, clamped)
-        tl.store(cache_ptr + off, v.to(cache_ptr.dtype.element_ty), mask=mask)
+            # The interpreter's cast turns NaN into 384: set NaN's bits (0x7F) directly.
+            bits = _round_e4m3(clamped).to(FP8).to(tl.uint8, bitcast=True)
+            stored = tl.where(v != v, 0x7F, bits).to(tl.uint8).to(FP8, bitcast=True)
+        else:
+            stored = tl.where(v != v, v, clamped).to(FP8)
+        tl.store(cache_ptr + off, stored, mask=mask)
     else:
         tl.store(cache_ptr + off, vals, mask=mask)
 

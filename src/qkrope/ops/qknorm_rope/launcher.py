@@ -183,10 +183,12 @@ def _check_common(query, key, value, key_cache, value_cache, q_norm_weight, k_no
         if x.device != device:
             raise ValueError(f"{name} is on {x.device} but query is on {device}: all inputs must "
                              "be on one device")
-    if device.type != "cuda" and not interpreting():
-        raise ValueError(f"the fused kernel needs CUDA tensors, got query on {device}; use "
-                         "qkrope.reference on CPU, or set TRITON_INTERPRET=1 before importing "
-                         "qkrope to run the kernel in Triton's interpreter")
+    if device.type != "cuda" and not (device.type == "cpu" and interpreting()):
+        hint = ("; use qkrope.reference on CPU, or set TRITON_INTERPRET=1 before importing "
+                "qkrope to run the kernel in Triton's interpreter" if device.type == "cpu"
+                else "")
+        raise ValueError(f"the fused kernel needs CUDA tensors (CPU tensors in Triton's "
+                         f"interpreter), got query on {device}{hint}")
     return opts
 
 
