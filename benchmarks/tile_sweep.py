@@ -54,11 +54,10 @@ def written_rows(row, outs):
     return q, k, flat(kc), flat(vc)
 
 
-def check(row, args, kernel, config) -> str:
-    """One call of the candidate on fresh copies of the caches, against the reference: "ok",
-    "WRONG", or "FAILED: why" (a tile or variant that does not compile or launch)."""
-    ref_fn = qkrope.reference_paged if row.paged else qkrope.reference
-    ref = ref_fn(*args, inplace=False)
+def check(row, args, want, kernel, config) -> str:
+    """One call of the candidate on fresh copies of the caches, against the reference's
+    ``want`` (:func:`written_rows`): "ok", "WRONG", or "FAILED: why" (a tile or variant that
+    does not compile or launch)."""
     kc, vc = args[4].clone(), args[5].clone()
     mine = (*args[:4], kc, vc, *args[6:])
     q_out, k_out = torch.empty_like(args[0]), torch.empty_like(args[1])
@@ -68,7 +67,6 @@ def check(row, args, kernel, config) -> str:
     except Exception as e:  # reported in the table; the other candidates still run
         return f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
     got = written_rows(row, (q_out, k_out, kc, vc, args))
-    want = written_rows(row, (*ref, args))
     return "ok" if all(c.ok for c in check_outputs(got, want, row.workload.atol)) else "WRONG"
 
 
@@ -127,7 +125,10 @@ def main() -> None:
             DEFAULT_MODEL.max_position_embeddings if device == "cuda" else w.cache_len + w.seq_len)
         g = torch.Generator(device=device).manual_seed(0)
         a = row_inputs(row, device=device, generator=g, cache_capacity=cache_len)
-        ok = {name: check(row, a, kernel, cfg) for name, cfg, kernel in candidates}
+        reference = qkrope.reference_paged if row.paged else qkrope.reference
+        want = written_rows(row, (*reference(*a, inplace=False), a))
+        ok = {name: check(row, a, want, kernel, cfg) for name, cfg, kernel in candidates}
+        del want
         T = w.tokens if row.paged else w.seq_len
         B = 1 if row.paged else w.batch
         pick = tuple(launcher.pick_config(B, T, DEFAULT_MODEL.num_q_heads,
