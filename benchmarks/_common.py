@@ -158,10 +158,12 @@ def forced(kernel=None, config: launcher.TileConfig | None = None, num_sms: int 
            capture: list | None = None):
     """Inside: ``launcher.launch`` runs ``kernel`` (Triton's public launch) with tile
     ``config`` instead of ``pick_config``'s, ``pick_config`` sees ``num_sms`` SMs, and with
-    ``capture`` nothing is launched: each launch appends ``(grid, args, meta)`` to it.
+    ``capture`` nothing is launched: each launch appends ``(grid, args, meta)`` to it, and the
+    overlap check is skipped (capturing runs on meta tensors, which all sit at address 0).
 
     Swaps module globals of ``launcher`` for the duration (scripts only; not thread-safe)."""
-    saved = {n: getattr(launcher, n) for n in ("LAUNCHER", "pick_config", "_num_sms")}
+    saved = {n: getattr(launcher, n) for n in ("LAUNCHER", "pick_config", "_num_sms",
+                                               "check_disjoint")}
     pick = launcher.pick_config.__wrapped__  # uncached: the SM count may differ per call
     if kernel is not None:
         if kernel not in _launchers:
@@ -173,6 +175,7 @@ def forced(kernel=None, config: launcher.TileConfig | None = None, num_sms: int 
                 capture.append((grid, args, meta))
 
         launcher.LAUNCHER = Capture()
+        launcher.check_disjoint = lambda *a, **k: None
     if num_sms is not None:
         launcher._num_sms = lambda: num_sms
     if config is not None:

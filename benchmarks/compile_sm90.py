@@ -88,7 +88,9 @@ def captured_launch(row, feature: str, config, num_sms: int, kernel):
 
 
 def compile_launch(kernel, grid, args: dict, meta: dict):
-    """Compile ``kernel`` for sm_90 as ``kernel[grid](**args, **meta)`` would on the GPU."""
+    """Compile ``kernel`` for sm_90 as ``kernel[grid](**args, **meta)`` would on the GPU:
+    through ``JITFunction.run``'s own binder and ``_pack_args`` (Triton 3.6 internals; another
+    Triton version may move them, which shows as FAILED rows)."""
     backend = make_backend(TARGET)
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     kwargs = dict(args, **meta, debug=False, instrumentation_mode="")
