@@ -10,10 +10,11 @@ patched by qkrope, and on rank 0 from a single-process copy of the unsharded mod
 
 - the patched TP model's tokens equal the stock TP model's, and every rank's cache (its own KV
   heads) equals the stock one bit for bit: the patch changes nothing under TP;
-- the tokens equal the single-process model's (TP's row-parallel all-reduce sums bf16 partial
-  products in another order than one matmul, so this one can in principle flip a near-tie;
-  a mismatch prints the reference's top-2 logit gap at the first differing step);
-- every rank generated the same tokens.
+- every rank generated the same tokens;
+- the TP model tracks the single-process one: teacher-forced on the TP continuation, its logits
+  are within 10% of the logits' RMS at every position, and the greedy tokens are the same or
+  part only at a near-tie (TP's row-parallel all-reduce sums bf16 partial products in another
+  order than one matmul: with a 151936-word vocabulary, bf16 logits tie now and then).
 
 Prints decode ms per step (median over the generate() loop's decode steps, rank 0) stock vs
 patched, and exits 1 on any mismatch. On CPU the kernel runs in Triton's interpreter, so the
@@ -31,6 +32,7 @@ tensors, and the patch has to read the local tensor too.
 """
 
 import argparse
+import copy
 import os
 import statistics
 import sys
@@ -92,8 +94,9 @@ def main(argv=None):
         torch.cuda.set_device(local_rank)
     # A bounded timeout: a rank stuck in a collective fails the run instead of hanging it
     # (transformers' own init would wait two hours).
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=timedelta(minutes=10),
-                            device_id=torch.device("cuda", local_rank) if device == "cuda" else None)
+    on_gpu = device == "cuda"
+    dist.init_process_group("nccl" if on_gpu else "gloo", timeout=timedelta(minutes=10),
+                            device_id=torch.device("cuda", local_rank) if on_gpu else None)
     try:
         ok = run(args, device, torch, dist)
     finally:
@@ -138,14 +141,16 @@ def run(args, device, torch, dist):
 
     # Shard a copy: the weights are already there, so distribute_tensor (src_data_rank=None)
     # just keeps this rank's slice of each. At world size 1 transformers applies no plan.
-    dc, _, mesh_manager = Qwen3ForCausalLM.prepare_distribute_model(DistributedConfig(tp_plan="auto"))
-    tp_model = Qwen3ForCausalLM.maybe_distribute_model(_clone(full), dc, mesh_manager)
+    dc, _, mesh_manager = Qwen3ForCausalLM.prepare_distribute_model(
+        DistributedConfig(tp_plan="auto"))
+    tp_model = Qwen3ForCausalLM.maybe_distribute_model(copy.deepcopy(full), dc,
+                                                       mesh_manager)
     if world > 1 and not any(_is_dtensor(p) for p in tp_model.parameters()):
         raise SystemExit("transformers applied no tensor parallelism (no DTensor parameter)")
     if args.dtensor_norms:
         _replicate_qk_norm_weights(tp_model, device, world)
     if rank != 0:
-        del full  # only rank 0 runs the single-process reference
+        full = None  # only rank 0 runs the single-process reference
 
     gen = torch.Generator().manual_seed(args.seed + 1)
     ids = torch.randint(0, cfg["vocab_size"], (args.batch, args.prompt), generator=gen).to(device)
@@ -162,6 +167,13 @@ def run(args, device, torch, dist):
         _native.load(timeout=600)
         generate(tp_model, 2)  # cuBLAS / NCCL set-up stays out of the timings
     stock_tokens, stock_cache, stock_ms = generate(tp_model)
+    failures = []
+
+    # (b) against the single-process model, on the stock TP model (the patched one must equal
+    # it bit for bit, checked below).
+    single = _versus_single_process(torch, dist, tp_model, full, ids,
+                                    stock_tokens, generate, failures)
+
     n_patched = patch(tp_model)
     assert n_patched == cfg["num_hidden_layers"], n_patched
     with warnings.catch_warnings():
@@ -170,26 +182,19 @@ def run(args, device, torch, dist):
             generate(tp_model, 2)  # the kernel's compile stays out of the timing
         tokens, cache, patched_ms = generate(tp_model)
 
-    failures = []
+    # (a) patched TP == stock TP: tokens, and each rank's cache (its own KV heads).
+    if not torch.equal(tokens, stock_tokens):
+        failures.append("patched TP tokens != stock TP tokens" + _where(stock_tokens, tokens))
     cache_equal = all(torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
                       for a, b in zip(stock_cache.layers, cache.layers, strict=True))
-    flags = torch.tensor([int(cache_equal)], device=device)
-    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
-    if not flags.item():
+    flag = torch.tensor([int(cache_equal)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    if not flag.item():
         failures.append("a rank's StaticCache differs between patched and stock TP")
     gathered = [torch.empty_like(tokens) for _ in range(world)]
     dist.all_gather(gathered, tokens)
     if not all(torch.equal(g, tokens) for g in gathered):
         failures.append("the ranks generated different tokens")
-
-    if rank == 0:
-        single_tokens = generate(full)[0]
-        if not torch.equal(tokens, stock_tokens):
-            failures.append("patched TP tokens != stock TP tokens"
-                            + _first_difference(torch, full, ids, stock_tokens, tokens))
-        if not torch.equal(tokens, single_tokens):
-            failures.append("TP tokens != single-process tokens"
-                            + _first_difference(torch, full, ids, single_tokens, tokens))
 
     say(f"{device} x{world} ({dist.get_backend()}) torch {torch.__version__} | {args.config}: "
         f"{cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, heads {heads}/{kv_heads} "
@@ -207,15 +212,67 @@ def run(args, device, torch, dist):
     for f in failures:
         say(f"MISMATCH: {f}")
     if ok.item():
-        say(f"OK: patched TP == stock TP (tokens, every rank's cache) == single-process tokens "
-            f"({tokens.shape[0]}x{new_tokens} new tokens)")
+        say(f"OK: patched TP == stock TP (tokens, every rank's cache); vs single-process: {single}")
     return bool(ok.item())
 
 
-def _clone(model):
-    import copy
+#: Largest max |TP logit - single-process logit| at a position, as a fraction of the
+#: single-process logits' RMS there. Row-parallel TP sums bf16 partial products in another
+#: order: 3-4.4% at TP=2, Qwen3-32B widths, 151936-word vocabulary (an in-process emulation of
+#: the split sums; bf16 logits near 2 are 1/32 apart). Misplaced shards give ~100%.
+LOGIT_TOLERANCE = 0.10
 
-    return copy.deepcopy(model)
+
+def _versus_single_process(torch, dist, tp_model, full, ids, tp_tokens, generate, failures):
+    """Check (b) (see ``judge_single_process``); the TP forward runs on every rank, the rest on
+    rank 0. Returns a one-line summary; appends to ``failures``."""
+    seq = torch.cat([ids, tp_tokens], dim=1)
+    with torch.no_grad():
+        tp_logits = tp_model(seq, use_cache=False).logits.float()  # every rank: collectives
+    if dist.get_rank() != 0:
+        return ""
+    single_tokens = generate(full)[0]
+    with torch.no_grad():
+        ref_logits = full(seq, use_cache=False).logits.float()
+    summary, found = judge_single_process(ids.shape[1], tp_tokens, single_tokens, tp_logits,
+                                          ref_logits)
+    failures.extend(found)
+    return summary
+
+
+def judge_single_process(prompt_len, tp_tokens, single_tokens, tp_logits, ref_logits):
+    """The TP model's logits (teacher-forced on its own continuation) must be within
+    ``LOGIT_TOLERANCE`` of the single-process model's at every position, and its greedy tokens
+    equal the single-process ones, or part at a near-tie: where the single-process model's
+    margin for its own token over the TP token is at most twice the two models' logit
+    difference there. A near-tie is expected now and then with a large vocabulary (2 of 6
+    prompts of 16 tokens in the emulation above) and says nothing about qkrope: the patched
+    model is checked bit for bit against the stock TP one. Returns (summary, failures)."""
+    diff = (tp_logits - ref_logits).abs().amax(-1)                     # [B, positions]
+    worst = (diff / ref_logits.pow(2).mean(-1).sqrt()).max().item()
+    summary = f"max |logit diff| {100 * worst:.1f}% of the logits' RMS"
+    failures = []
+    if worst > LOGIT_TOLERANCE:
+        failures.append(f"TP logits differ from the single-process model's by up to "
+                        f"{100 * worst:.1f}% of their RMS (tolerance {100 * LOGIT_TOLERANCE:.0f}%)")
+    if tp_tokens.equal(single_tokens):
+        return summary + ", same tokens", failures
+    row, step = (tp_tokens != single_tokens).nonzero()[0].tolist()
+    pos = prompt_len + step - 1                                        # the logits picking `step`
+    mine, theirs = single_tokens[row, step].item(), tp_tokens[row, step].item()
+    margin = (ref_logits[row, pos, mine] - ref_logits[row, pos, theirs]).item()
+    where = (f"row {row}, new token {step}: single-process {mine}, TP {theirs}; single-process "
+             f"margin {margin:.4g}, logit diff there {diff[row, pos].item():.4g}")
+    if margin > 2 * diff[row, pos].item():
+        failures.append(f"TP tokens != single-process tokens, not at a near-tie ({where})")
+        return summary, failures
+    return summary + f", tokens part at a near-tie ({where})", failures
+
+
+def _where(expected, got):
+    row, step = (expected != got).nonzero()[0].tolist()
+    return (f" (first at row {row}, new token {step}: {expected[row, step].item()} vs "
+            f"{got[row, step].item()})")
 
 
 def _is_dtensor(t):
@@ -269,7 +326,8 @@ def _generate(torch, model, ids, new_tokens, max_cache_len, device):
     timer = _StepTimes()
     cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
     # transformers 5.24 renamed generate()'s past_key_values to cache (the old name warns).
-    cache_kw = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+    params = inspect.signature(type(model).forward).parameters
+    cache_kw = "cache" if "cache" in params else "past_key_values"
     # disable_compile: generate() compiles a StaticCache decode step on GPUs, and Inductor's
     # fp32 norm and rotary differ from eager in a few keys; eager is the bit-exact reference.
     with torch.no_grad():
@@ -279,18 +337,6 @@ def _generate(torch, model, ids, new_tokens, max_cache_len, device):
     if device == "cuda":
         torch.cuda.synchronize()
     return out[:, ids.shape[1]:], cache, timer.decode_ms()
-
-
-def _first_difference(torch, model, prompt, expected, got):
-    """Where two greedy continuations first part, and how close the reference's top two logits
-    were there (a near-tie points at summation order, a wide gap at a real difference)."""
-    row, step = (expected != got).nonzero()[0].tolist()
-    prefix = torch.cat([prompt[row], expected[row, :step]])
-    with torch.no_grad():
-        logits = model(prefix[None]).logits[0, -1].float()
-    top2 = logits.topk(2).values
-    return (f" (row {row}, new token {step}: {expected[row, step].item()} vs "
-            f"{got[row, step].item()}; reference top-2 logit gap {(top2[0] - top2[1]).item():.4g})")
 
 
 if __name__ == "__main__":
