@@ -184,9 +184,8 @@ def build(timeout: float = 300.0) -> tuple[bool, str]:
     with _lock:
         if _state["proc"] is None:
             _state["error"] = None
-    mod = load(seconds, force=True)
-    if mod is not None:
-        return True, str(mod.__file__)
+    if load(seconds, force=True) is not None:
+        return True, str(cache_path())
     if _state["proc"] is not None:
         return False, (f"the build did not finish within {seconds:g} s; it goes on in the "
                        f"background (log: {_state['log']})")
