@@ -417,3 +417,14 @@ def test_stale_private_directories_are_removed(tmp_path):
     _native._remove_stale(tmp_path, keep=tmp_path / "build-mine")
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "build-alive", "build-failed", "build-mine", "build-unstarted"]
+
+
+def test_unusable_cache_dir_leaves_the_caller_on_the_python_route(fresh, tmp_path, monkeypatch):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    monkeypatch.setenv("QKROPE_CACHE_DIR", str(not_a_dir))
+    _native.start_build(force=True)  # what a launch calls: it must not raise
+    assert fresh.state["proc"] is None
+    assert _native.status().startswith("python (native build failed: cannot start the build:")
+    ok, why = _native.build(timeout=5.0)
+    assert not ok and "cannot start the build" in why, why

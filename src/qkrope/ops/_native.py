@@ -53,8 +53,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["signature_fn", "outputs_fn", "module", "enabled", "set_enabled", "start_build",
-           "poll", "load", "build", "status", "cache_path", "describe", "POLL_INTERVAL",
-           "BUILD_DEADLINE"]
+           "poll", "load", "build", "status", "cache_path", "describe"]
 
 #: Seconds between two looks at a running build from the hot path.
 POLL_INTERVAL = 0.5
@@ -154,9 +153,12 @@ def start_build(force: bool = False) -> None:
             return
         if _state["error"] is not None:
             return
-        if _load_cached() is None:
-            return
-        _spawn()
+        try:  # called from a launch: whatever goes wrong here leaves it on the Python route
+            if _load_cached() is None:
+                return
+            _spawn()
+        except Exception as e:  # noqa: BLE001
+            _state["error"] = f"cannot build: {_first_line(e)}"
 
 
 def load(timeout: float = 300.0, force: bool = False):
@@ -302,6 +304,9 @@ def _load_cached() -> str | None:
 
 def _spawn() -> None:
     """Start the build process. Caller holds ``_lock``."""
+    if not sys.executable:
+        _state["error"] = "cannot start the build: no Python executable (sys.executable)"
+        return
     cmd = [sys.executable]
     if sys.version_info >= (3, 11):
         cmd.append("-P")  # this file's folder is not an import root
@@ -340,7 +345,10 @@ def _finish() -> None:
         return
     _state["proc"] = None
     if proc.returncode == 0:
-        problem = _load_cached()
+        try:
+            problem = _load_cached()
+        except Exception as e:  # noqa: BLE001  (called from a launch, see start_build)
+            problem = _first_line(e)
         if problem is not None:
             _state["error"] = f"built, but {problem}"
         return
@@ -413,15 +421,15 @@ def _build_main(private: Path, reject: str | None) -> int:
     the cache holds a verified module."""
     import traceback
 
-    from filelock import FileLock
-
     (private / "pid").write_text(str(os.getpid()))
     _arm_deadline(private)
-    root = private.parent
-    source = _SOURCE.read_text()
-    name = _module_name(source)
-    final = root / f"{name}.so"
     try:
+        from filelock import FileLock
+
+        root = private.parent
+        source = _SOURCE.read_text()
+        name = _module_name(source)
+        final = root / f"{name}.so"
         with FileLock(str(root / f"{name}.lock"), timeout=BUILD_DEADLINE):
             _remove_stale(root, keep=private)
             sha = _verified_sha(final)
