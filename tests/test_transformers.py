@@ -76,11 +76,20 @@ def _families():
     t = transformers
     yarn = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
             "original_max_position_embeddings": 8}
+    # Rotary embeddings whose inv_freq changes with the positions seen (before the layers run).
+    dynamic = {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}
+    longrope = {"rope_type": "longrope", "rope_theta": 1e4, "original_max_position_embeddings": 8,
+                "short_factor": [1.0 + 0.1 * i for i in range(32)],
+                "long_factor": [2.0 + 0.2 * i for i in range(32)]}
     vl_rope = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [12, 10, 10],
                "mrope_interleaved": True}
     return {
         "qwen3": _causal_lm(t.Qwen3Config, t.Qwen3ForCausalLM),
         "qwen3-yarn": _causal_lm(t.Qwen3Config, t.Qwen3ForCausalLM, rope_parameters=yarn),
+        "qwen3-dynamic": _causal_lm(t.Qwen3Config, t.Qwen3ForCausalLM, rope_parameters=dynamic,
+                                    max_position_embeddings=8),
+        "qwen3-longrope": _causal_lm(t.Qwen3Config, t.Qwen3ForCausalLM,
+                                     rope_parameters=longrope),
         "qwen3-moe": _causal_lm(t.Qwen3MoeConfig, t.Qwen3MoeForCausalLM, batch=1, **MOE),
         "qwen3-vl": _vision_lm(t.Qwen3VLConfig, t.Qwen3VLForConditionalGeneration,
                                text={"rope_parameters": vl_rope},
@@ -104,10 +113,10 @@ def _families():
 FAMILIES = _families()
 
 
-def build(family, seed=0):
+def build(family, seed=0, dtype=torch.bfloat16):
     torch.manual_seed(seed)
     model, offset_norm, inputs = FAMILIES[family]()
-    model = model.to(DEVICE, torch.bfloat16).eval()
+    model = model.to(DEVICE, dtype).eval()
     _randomize_norms(model, offset_norm)
     return model, inputs
 
@@ -192,8 +201,10 @@ def test_family_generates_the_same_tokens_and_cache(family, op_calls):
     first = op_calls[0]
     assert first["cos_sin_scale"] == rot.attention_scaling
     assert first["rotary_dim"] == int(text.head_dim * rope.get("partial_rotary_factor", 1.0))
-    if family == "qwen3-yarn":
+    if family in ("qwen3-yarn", "qwen3-longrope"):
         assert rot.attention_scaling != 1.0
+    if family in ("qwen3-dynamic", "qwen3-longrope"):  # the generation went past the original
+        assert not torch.equal(rot.inv_freq, rot.original_inv_freq)
     if "vl" in family:  # the prompt's image tokens: 3 streams that really differ
         pos = first["positions"]
         assert pos.shape[0] == 3 and not torch.equal(pos[0], pos[1])
@@ -206,6 +217,18 @@ def test_family_generates_the_same_tokens_and_cache(family, op_calls):
     assert not any(is_patched(m) or "forward" in m.__dict__ for m in model.modules())
     again, _ = generate(model, inputs)
     assert torch.equal(again, stock_tokens)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3.5"])
+def test_float16_models(family):
+    model, inputs = build(family, seed=1, dtype=torch.float16)
+    stock_tokens, stock_cache = generate(model, inputs)
+    assert patch(model) == full_attention_count(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)
+        tokens, cache = generate(model, inputs)
+    assert torch.equal(tokens, stock_tokens)
+    assert_same_cache(cache, stock_cache)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3.5"])
