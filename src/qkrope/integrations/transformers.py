@@ -426,9 +426,10 @@ def _prologue(self, plan: _Plan, query, key, value, cache):
         return q_rot, k_rot, keys, values
 
     # No cache of the op's layout: one-row stand-in caches whose row every token skips (-1).
+    # (Separate allocations: the op refuses caches that share memory, expanded views too.)
     B, Hkv, S, D = key.shape
-    k_stand_in = key.new_empty(1).expand(B, Hkv, 1, D)
-    v_stand_in = key.new_empty(1).expand(B, Hkv, 1, D)
+    k_stand_in = key.new_empty((B, Hkv, 1, D))
+    v_stand_in = key.new_empty((B, Hkv, 1, D))
     rows = torch.full((S,), -1, dtype=torch.int64, device=key.device)
     q_rot, k_rot, _, _ = fused_rope_with_qk_norm_and_kv_cache_update(
         query, key, value, positions, k_stand_in, v_stand_in, rows, self.q_norm.weight,
