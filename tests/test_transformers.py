@@ -43,7 +43,11 @@ def _randomize_norms(model, offset_norm: bool):
 
 
 def _prompt(batch):
-    return {"input_ids": torch.randint(0, IMAGE, (batch, 6), device=DEVICE)}
+    # Left padding on the last sequence: per-sequence positions (cumsum of the mask).
+    mask = torch.ones(batch, 6, dtype=torch.long, device=DEVICE)
+    mask[1:, :2] = 0
+    return {"input_ids": torch.randint(0, IMAGE, (batch, 6), device=DEVICE),
+            "attention_mask": mask}
 
 
 def _image_prompt():
@@ -205,6 +209,9 @@ def test_family_generates_the_same_tokens_and_cache(family, op_calls):
         assert rot.attention_scaling != 1.0
     if family in ("qwen3-dynamic", "qwen3-longrope"):  # the generation went past the original
         assert not torch.equal(rot.inv_freq, rot.original_inv_freq)
+    if inputs["input_ids"].shape[0] > 1:  # left padding: each sequence its own positions
+        pos = first["positions"]
+        assert pos.shape[-2] == 2 and not torch.equal(pos[..., 0, :], pos[..., 1, :])
     if "vl" in family:  # the prompt's image tokens: 3 streams that really differ
         pos = first["positions"]
         assert pos.shape[0] == 3 and not torch.equal(pos[0], pos[1])
@@ -232,9 +239,9 @@ def test_float16_models(family):
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3.5"])
-def test_other_caches_take_the_op_without_its_cache_write(family, op_calls):
-    # DynamicCache (generate's default) and sliding-window StaticCache layers: the op computes
-    # the rotated Q/K, the stock cache.update stores them.
+def test_dynamic_cache_takes_the_op_without_its_cache_write(family, op_calls):
+    # generate()'s default cache: the op computes the rotated Q/K (its cache write skipped),
+    # the stock cache.update stores them.
     model, inputs = build(family, seed=3)
     stock_tokens, stock_cache = generate(model, inputs, cache="dynamic")
     patch(model)
