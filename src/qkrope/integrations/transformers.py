@@ -421,7 +421,8 @@ def _prologue(self, plan: _Plan, query, key, value, cache):
         rows = torch.arange(seq_len, device=key.device) + layer.cumulative_length
         q_rot, k_rot, keys, values = fused_rope_with_qk_norm_and_kv_cache_update(
             query, key, value, positions, layer.keys, layer.values, rows,
-            self.q_norm.weight, self.k_norm.weight, inv_freq, plan.eps, **options)
+            _local(self.q_norm.weight), _local(self.k_norm.weight), inv_freq, plan.eps,
+            **options)
         layer.cumulative_length.add_(seq_len)
         return q_rot, k_rot, keys, values
 
@@ -432,9 +433,16 @@ def _prologue(self, plan: _Plan, query, key, value, cache):
     v_stand_in = key.new_empty((B, Hkv, 1, D))
     rows = torch.full((S,), -1, dtype=torch.int64, device=key.device)
     q_rot, k_rot, _, _ = fused_rope_with_qk_norm_and_kv_cache_update(
-        query, key, value, positions, k_stand_in, v_stand_in, rows, self.q_norm.weight,
-        self.k_norm.weight, inv_freq, plan.eps, **options)
+        query, key, value, positions, k_stand_in, v_stand_in, rows, _local(self.q_norm.weight),
+        _local(self.k_norm.weight), inv_freq, plan.eps, **options)
     return q_rot, k_rot, None, None
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    """This rank's tensor of a weight that tensor parallelism keeps as a (replicated) DTensor,
+    as older transformers did for q_norm/k_norm; the kernel addresses plain tensors."""
+    to_local = getattr(weight, "to_local", None)
+    return weight if to_local is None else to_local()
 
 
 def _stock(self, plan: _Plan, reason: str, hidden_states, position_embeddings, attention_mask,
