@@ -25,8 +25,10 @@
 #     every FlashInfer op (cutlass-dsl, cuda-tile, nccl4py, cudnn-frontend, ...); this op needs
 #     none of them. Everything else in the wheel (data/ 451 MB of headers/cubins, all other ops)
 #     is left out.
-# Dependencies the device image lacks: apache-tvm-ffi only (filelock, packaging, ninja, torch
-# are there). Its cp312 manylinux wheel is unpacked as a plain directory into .fi/site.
+# Dependencies the device image lacks: apache-tvm-ffi only (filelock, packaging, ninja, torch,
+# typing-extensions are there). Its cp312 manylinux wheel is unpacked as a plain directory into
+# .fi/site; typing_extensions.py (>= 4.13, which tvm-ffi needs) waits in .fi/compat in case the
+# image's copy is older.
 #
 # Prebuilt libraries: when this machine has nvcc and a Python with torch, the backend's sm_90a
 # libraries (the H100/H200 builds; 6 stages, 3 of them for 64/8 heads) are compiled here by
@@ -44,6 +46,7 @@ set -euo pipefail
 
 FI_VERSION=0.7.4
 TVM_FFI_VERSION=0.1.15.post2   # FlashInfer 0.7.4 needs apache-tvm-ffi >=0.1.11,<0.2
+TYPING_EXT_VERSION=4.15.0      # tvm-ffi needs typing-extensions >=4.13 (get_annotations)
 ROOT=$(git rev-parse --show-toplevel)
 DEST="$ROOT/.fi"
 FI_CACHE=${FI_CACHE:-/tmp/fi-carry}
@@ -113,6 +116,16 @@ _cuda_architecture only, imported by their full names."""
 EOF
 
 unzip -q "$TVM312_WHEEL" -d "$SITE"
+
+# A fallback only: the device image's typing-extensions is expected to be new enough; if it is
+# not, flashinfer_h2h.py swaps this one in (.fi/compat is not on sys.path otherwise).
+if ! ls "$FI_CACHE"/typing_extensions-"$TYPING_EXT_VERSION"-*.whl >/dev/null 2>&1; then
+  "$PYTHON" -m pip download -q --no-deps --only-binary=:all: -d "$FI_CACHE" \
+    "typing-extensions==$TYPING_EXT_VERSION"
+fi
+mkdir -p "$DEST/compat"
+unzip -q "$(ls "$FI_CACHE"/typing_extensions-"$TYPING_EXT_VERSION"-*.whl | head -1)" \
+  typing_extensions.py -d "$DEST/compat"
 
 BACKEND="$SITE/flashinfer/cake_fused_qk_rope_append_backend"
 if [[ "$PREBUILD" == 1 ]] && command -v nvcc >/dev/null && "$PYTHON" -c 'import torch' 2>/dev/null
@@ -188,6 +201,13 @@ $(basename "$TVM312_WHEEL"). site/ goes on sys.path (benchmarks/flashinfer_h2h.p
 Prebuilt: $(ls "$BACKEND"/aot/*.so 2>/dev/null | wc -l) sm_90a libraries.
 EOF
 echo "--- .fi/ contents"
-du -sh "$SITE"/* "$BACKEND"/aot 2>/dev/null || true
-echo "TOTAL: $(du -sh "$DEST" | cut -f1) ($(du -sb "$DEST" | cut -f1) bytes) in $DEST"
-echo "device command: carry ['.fi'] and run python3 benchmarks/flashinfer_h2h.py (see its header)"
+du -sh "$SITE"/*
+if [[ -d "$BACKEND/aot" ]]; then du -sh "$BACKEND/aot"; fi
+total=$(du -sb "$DEST" | cut -f1)
+echo "TOTAL: $(du -sh "$DEST" | cut -f1) ($total bytes) in $DEST"
+# The device takes 64 MiB of working tree per call, the repository itself included.
+if (( total > 60 * 1024 * 1024 )); then
+  echo "error: .fi/ is over 60 MiB" >&2
+  exit 1
+fi
+echo "device: carry ['.fi'], run python3 benchmarks/flashinfer_h2h.py (see its docstring)"

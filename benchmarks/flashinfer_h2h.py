@@ -46,13 +46,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 FI_SITE = ROOT / ".fi" / "site"
+FI_COMPAT = ROOT / ".fi" / "compat"
 if str(ROOT / "src") not in sys.path:  # this tree's qkrope, installed or not
     sys.path.insert(0, str(ROOT / "src"))
 
 import torch  # noqa: E402
 
 import qkrope  # noqa: E402
-from qkrope.ops.qknorm_rope.reference import cos_sin_ref, qk_rotated_fp64, rope_angles_ref  # noqa: E402,E501
+from qkrope.ops.qknorm_rope.reference import (  # noqa: E402
+    cos_sin_ref, qk_rotated_fp64, rope_angles_ref,
+)
 from qkrope.suite import rope_inv_freq  # noqa: E402
 
 # Qwen3-32B attention geometry (config.json: 64 heads, 8 KV heads, head_dim 128, theta 1e6).
@@ -125,7 +128,8 @@ def build_case(case: Case, device, generator: torch.Generator, *, hq: int = HQ, 
     page = page_indices[req, positions // page_size]
     slots = page * page_size + positions % page_size
     qkv = randn(T, (hq + 2 * hkv) * d)
-    key_cache, value_cache = randn(num_pages, page_size, hkv, d), randn(num_pages, page_size, hkv, d)
+    key_cache = randn(num_pages, page_size, hkv, d)
+    value_cache = randn(num_pages, page_size, hkv, d)
     q_w, k_w = 1 + 0.5 * randn(d), 1 + 0.5 * randn(d)
     inv_freq = rope_inv_freq(d, theta, device=device)
     # One table row per position up to the largest used: [cos | sin] of R2, rounded to bf16 as
@@ -298,6 +302,7 @@ def environment_evidence() -> dict:
         "backend_csrc_files": len(list((backend / "csrc").glob("*"))) if backend.is_dir() else 0,
         "aot": sorted(p.name for p in (backend / "aot").glob("*")) if backend.is_dir() else [],
         "python": sys.version, "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+        "typing_extensions": getattr(sys.modules.get("typing_extensions"), "__file__", None),
         "CUDA_HOME": os.environ.get("CUDA_HOME"), "which_nvcc": shutil.which("nvcc"),
         "which_ninja": shutil.which("ninja"), "nvcc_version": _cmd(["nvcc", "--version"]),
         "ldconfig_cudart": "\n".join(line for line in _cmd(["ldconfig", "-p"]).splitlines()
@@ -371,6 +376,14 @@ def import_flashinfer():
     (.fi/site, put first on sys.path only now) or an installed FlashInfer."""
     if FI_SITE.is_dir() and str(FI_SITE) not in sys.path:
         sys.path.insert(0, str(FI_SITE))
+    import typing_extensions
+
+    if not hasattr(typing_extensions, "get_annotations") and FI_COMPAT.is_dir():
+        # tvm-ffi needs typing-extensions >= 4.13; torch already holds the older module, so the
+        # carried one replaces it in sys.modules (it is a superset).
+        sys.path.insert(0, str(FI_COMPAT))
+        del sys.modules["typing_extensions"]
+        import typing_extensions  # noqa: F401,F811
     if not (hasattr(torch.Tensor, "__dlpack_c_exchange_api__")
             or hasattr(torch.Tensor, "__c_dlpack_exchange_api__")):
         # tvm-ffi would otherwise compile a torch extension at import (minutes); the plain
@@ -454,7 +467,7 @@ def load_flashinfer(cases: list[Case], force_jit: bool) -> tuple:
     if not force_jit:
         t0 = time.perf_counter()
         try:
-            for lib, stage in libs.items():
+            for stage in libs.values():
                 cj.load(stage, arch)
             info["load_s"] = time.perf_counter() - t0
             return op, info
@@ -579,8 +592,9 @@ def markdown(rows: list[dict], fi_info: dict | None) -> str:
                 lines.append(f"| {r['case']} | {h['qkrope_us']:.2f} | {h['flashinfer_us']:.2f} | "
                              f"{h['ratio']:.2f} |")
     if fi_info:
+        stages = sorted(set(fi_info["libraries"].values()))
         lines += ["", f"FlashInfer {fi_info.get('flashinfer_version')} via "
-                      f"{fi_info.get('route')} libraries {sorted(set(fi_info['libraries'].values()))}"]
+                      f"{fi_info.get('route')} libraries, stages {stages}"]
     return "\n".join(lines)
 
 

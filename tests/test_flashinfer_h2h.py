@@ -153,7 +153,7 @@ def test_check_case_with_flashinfer_model(spec):
     report = h2h.markdown([{"case": spec, "tokens": inp["qkv"].shape[0], "check": res}],
                           {"flashinfer_version": "fake", "route": "test",
                            "libraries": {"lib": "stage"}})
-    assert f"| {spec} |" in report and "FlashInfer fake via test" in report
+    assert f"| {spec} |" in report and "FlashInfer fake via test libraries" in report
 
 
 def test_check_case_catches_a_misplaced_row():
@@ -235,3 +235,17 @@ def test_run_cases_stops_at_the_deadline(capsys):
     rows = h2h.run_cases([h2h.Case.parse("d1")], fake_flashinfer, device="cpu", seed=0,
                          timing=None, host=None, deadline=0.0)
     assert rows == [] and "deadline reached" in capsys.readouterr().out
+
+
+def test_old_typing_extensions_is_swapped_for_the_carried_one(monkeypatch, tmp_path):
+    compat = tmp_path / "compat"
+    compat.mkdir()
+    (compat / "typing_extensions.py").write_text("def get_annotations(obj):\n    return {}\n")
+    old = type(sys)("typing_extensions")  # a module without get_annotations (< 4.13)
+    monkeypatch.setitem(sys.modules, "typing_extensions", old)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(h2h, "FI_SITE", tmp_path / "absent")
+    monkeypatch.setattr(h2h, "FI_COMPAT", compat)
+    with pytest.raises(ImportError):  # no FlashInfer here: the swap happens before that
+        h2h.import_flashinfer()
+    assert sys.modules["typing_extensions"].__file__ == str(compat / "typing_extensions.py")
