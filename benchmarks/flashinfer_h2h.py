@@ -4,7 +4,13 @@ RoPE + paged K/V append, on Qwen3-32B's geometry (64 query heads, 8 KV heads, he
 which is one of the two head configurations FlashInfer ships.
 
     bash benchmarks/flashinfer_carry.sh                  # here: builds .fi/ (git-ignored)
-    python3 benchmarks/flashinfer_h2h.py --json OUT.json # on the H200, .fi carried
+    python3 benchmarks/flashinfer_h2h.py --json OUT.json # on the H200, .fi carried (~3 min)
+
+The device call carries ``.fi`` and runs, from the repository root:
+
+    export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src:$PWD/.fi/site; set -o pipefail;
+    timeout 470 python3 benchmarks/flashinfer_h2h.py --json $OUT/fi_h2h.json 2>&1
+      | tee $OUT/fi_h2h.md
 
 One set of random tensors per case feeds both ops: the packed bf16 QKV [T, (64 + 2*8) * 128],
 bf16 norm weights ``1 + 0.5 randn`` (FlashInfer takes f32: the same values, upcast), an NHD
