@@ -102,7 +102,7 @@ def fresh(monkeypatch, tmp_path):
 
 SIGNATURE_CHECK = """
     t = torch.randn(2, 3, 8)
-    key, addresses = _native.module().signature(t, None)
+    key, addresses = _native.module().signature(b"", t, None)
     assert addresses == [t.data_ptr(), None], addresses
 """
 
