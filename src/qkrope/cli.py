@@ -199,29 +199,29 @@ def build_parser() -> argparse.ArgumentParser:
 # ----------------------------------------------------------------------------------------------
 # bench
 # ----------------------------------------------------------------------------------------------
-def _bench_list(out=sys.stdout) -> int:
+def _bench_list() -> int:
     import torch
 
     from .bench.impls import IMPLS, LAYOUTS
 
     timed = torch.cuda.is_available()
-    print(WORKLOADS_TEXT, file=out)
+    print(WORKLOADS_TEXT)
     for title, suite in (("The suite (--layout bhsd)", SUITE),
                          ("The paged suite (--layout paged; B sequences of one token each in "
                           "decode)", PAGED_SUITE)):
-        print(f"\n{title}:", file=out)
-        print(f"{'#':>3} {'S':>5} {'C':>5} {'B':>4} {'tokens':>6}  atol", file=out)
+        print(f"\n{title}:")
+        print(f"{'#':>3} {'S':>5} {'C':>5} {'B':>4} {'tokens':>6}  atol")
         for k, w in enumerate(suite, 1):
             print(f"{k:>3} {w.seq_len:>5} {w.cache_len:>5} {w.batch:>4} {w.tokens:>6}  "
-                  f"{w.atol:g}", file=out)
-    print("\nImplementations (--impl):", file=out)
+                  f"{w.atol:g}")
+    print("\nImplementations (--impl):")
     for name, impl in IMPLS.items():
         why = impl.unavailable()
         if why is None and not timed and name != "qkrope":
             why = "checked and timed only on a CUDA GPU"
         layouts = "/".join(k for k, lay in LAYOUTS.items() if name in lay.impls)
         state = "runs here" if why is None else f"not here: {why}"
-        print(f"  {name:<14} {impl.description} [{layouts}; {state}]", file=out)
+        print(f"  {name:<14} {impl.description} [{layouts}; {state}]")
     return 0
 
 
