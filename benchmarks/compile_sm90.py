@@ -1,109 +1,232 @@
-"""Compile the fused kernel for sm_90 on a machine without a GPU and report what it became:
-PTX op counts, load/store widths and SASS instruction mix per tile shape. Catches Triton
-frontend errors and register spills before spending device time.
+"""Compile the production kernel for sm_90 (H100/H200) on a machine without a GPU and report
+what it became: registers, spills, shared memory, SASS instruction mix, global load/store
+widths. Catches Triton frontend errors, register spills and lost vector loads before any
+device time is spent (docs/perf-notes.md, runs 2 and 7).
 
-    TRITON_INTERPRET=0 python benchmarks/compile_sm90.py
+    python benchmarks/compile_sm90.py                          # default rows and features
+    python benchmarks/compile_sm90.py --rows 2 --config 2,1,1,1 --dump /tmp/sm90
+    python benchmarks/compile_sm90.py --rows 3 --variant trig-const
+
+Each kernel is compiled exactly as a launch on an H200 would compile it: the public call's
+arguments (meta tensors: no memory) go through the production ``launcher.launch`` with the
+launch itself captured, so the kernel parameters, constexprs and tile come from the production
+code (``pick_config`` with ``--sms`` SMs); Triton's own argument binder then specialises them
+(ints equal to 1 become constexprs, multiples of 16 get divisibility hints, pointers are taken
+as 16-byte aligned, as fresh allocations are) and ``triton.compile`` targets
+``GPUTarget("cuda", 90, 32)``. SASS comes from the ``cuobjdump`` Triton ships.
 """
 
+from __future__ import annotations
+
+import argparse
 import collections
 import os
 import re
 import subprocess
+import sys
 import tempfile
+import time
+from pathlib import Path
 
-os.environ["TRITON_INTERPRET"] = "0"  # compile for real even without a GPU
+os.environ["TRITON_INTERPRET"] = "0"  # compile for real (qkrope would turn the interpreter on)
 
+import torch  # noqa: E402
 import triton  # noqa: E402
+from triton import knobs  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+from triton.backends.nvidia.compiler import sm_arch_from_capability  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
-from qkrope.ops.qknorm_rope_cache.kernel import qknorm_rope_cache_kernel as fn  # noqa: E402
-from qkrope.ops.qknorm_rope_paged.kernel import qknorm_rope_paged_kernel  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import (  # noqa: E402
+    VARIANTS, forced, launch_args, parse_config, parse_rows, row_options, variant_kernel,
+)
+from qkrope.ops.qknorm_rope import launcher  # noqa: E402
+from qkrope.suite import MODELS, ModelGeometry, make_inputs, make_paged_inputs  # noqa: E402
 
-POINTER_TYPES = {"pos_ptr": "*i64", "cache_pos_ptr": "*i64", "inv_freq_ptr": "*fp32"}
-UNIT_STRIDES = ("stride_q_w", "stride_k_w", "stride_inv_freq", "stride_cache_pos", "stride_pos_s")
+TARGET = GPUTarget("cuda", 90, 32)  # what Triton's driver reports for an H100/H200
 
-
-def compile_tile(block_hq, block_hkv, block_s, num_warps, hf_norm=False):
-    """Compile as Triton would at launch for contiguous bf16 inputs, expanded positions."""
-    const = {"HALF": 64, "BLOCK_HQ": block_hq, "BLOCK_HKV": block_hkv, "BLOCK_S": block_s,
-             "INTERPRETER": False, "EVICTION": "", "HF_NORM": hf_norm, "TRIG": 0}
-    sig = {}
-    for n in fn.arg_names:
-        if n.endswith("_d") or n in UNIT_STRIDES:
-            const[n] = 1  # Triton specialises arguments equal to 1
-        elif n == "stride_pos_b":
-            const[n] = 0
-        if n in const:
-            sig[n] = "constexpr"
-        elif n.endswith("_ptr"):
-            sig[n] = POINTER_TYPES.get(n, "*bf16")
-        elif n == "eps":
-            sig[n] = "fp32"
-        else:
-            sig[n] = "i64" if n.startswith(("stride_kc", "stride_vc")) else "i32"
-    # Pointers and (multiple-of-16) strides get the divisibility hint Triton gives them.
-    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in fn.arg_names
-             if sig[n].startswith("*") or (n.startswith("stride") and sig[n] != "constexpr")}
-    src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()},
-                    attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "enable_fp_fusion": False})
+#: name -> (Options fields, FP8 caches?, head_dim or None): the kernel's constexpr features.
+FEATURES = {
+    "default": ({}, False, None),
+    "gptj": ({"rotary_style": "gptj"}, False, None),
+    "partial": ({"rotary_dim": 64}, False, None),
+    "hf": ({"norm_rounding": "hf"}, False, None),
+    "offset": ({"norm_weight_offset": 1.0}, False, None),
+    "mrope": ({"mrope_section": (24, 20, 20), "mrope_interleaved": True}, False, None),
+    "fp8": ({}, True, None),
+    "d64": ({}, False, 64),
+    "d256": ({}, False, 256),
+    "d512": ({}, False, 512),
+}
 
 
-def compile_paged(D, rot, gptj, fp8, per_head, block_h, num_warps, hf_norm=False):
-    """The paged kernel as Triton would compile it for contiguous bf16 rows, int64 indices."""
-    pk = qknorm_rope_paged_kernel
-    const = dict(D=D, ROT=rot, GPTJ=gptj, HF_NORM=hf_norm, W_OFFSET=0.0, BLOCK_H=block_h, BLOCK_T=1,
-                 K_SCALED=fp8, V_SCALED=fp8, PER_HEAD_SCALE=per_head, INTERPRETER=False)
-    ptr_types = {"pos_ptr": "*i64", "slot_ptr": "*i64", "inv_freq_ptr": "*fp32",
-                 "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
-    sig = {}
-    for n in pk.arg_names:
-        if n.endswith("_d") or n in ("stride_pos", "stride_slot", "stride_q_w", "stride_k_w",
-                                     "stride_inv_freq"):
-            const[n] = 1
-        if n in const:
-            sig[n] = "constexpr"
-        elif n.endswith("_ptr"):
-            sig[n] = ptr_types.get(n, "*fp8e4nv" if fp8 and "cache" in n else "*bf16")
-        elif n == "eps":
-            sig[n] = "fp32"
-        else:
-            sig[n] = "i64" if n.startswith(("stride_kc", "stride_vc")) else "i32"
-    attrs = {(pk.arg_names.index(n),): [["tt.divisibility", 16]] for n in pk.arg_names
-             if sig[n].startswith("*") or (n.startswith("stride") and sig[n] != "constexpr")}
-    src = ASTSource(pk, sig, constexprs={(pk.arg_names.index(k),): v for k, v in const.items()},
-                    attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "enable_fp_fusion": False})
+def captured_launch(row, feature: str, config, num_sms: int, kernel):
+    """``(grid, args, meta)`` of the production launch of ``row`` with ``feature``."""
+    fields, fp8, head_dim = FEATURES[feature]
+    geometry = MODELS["qwen3-coder-480b"]
+    if head_dim is not None:
+        geometry = ModelGeometry(f"d{head_dim}", geometry.num_q_heads, geometry.num_kv_heads,
+                                 head_dim)
+    make = make_paged_inputs if row.paged else make_inputs
+    args = list(make(row.workload, geometry, device="meta"))
+    opts = row_options(row, **fields)
+    if opts.mrope_section is not None:  # three position streams: [3, B, S] / [3, T]
+        args[3] = torch.empty(3, *args[3].shape, dtype=args[3].dtype, device="meta")
+    scales = (None, None)
+    if fp8:
+        args[4] = args[4].to(torch.float8_e4m3fn)
+        args[5] = args[5].to(torch.float8_e4m3fn)
+        Hkv = args[1].shape[1]  # key: [B, Hkv, S, D] or [T, Hkv, D]
+        scales = tuple(torch.empty(Hkv, dtype=torch.float32, device="meta") for _ in "kv")
+    q_out, k_out = torch.empty_like(args[0]), torch.empty_like(args[1])
+    got = []
+    with forced(kernel=None, config=config, num_sms=num_sms, capture=got):
+        launcher.launch(*launch_args(tuple(args), q_out, k_out, opts, *scales))
+    return got[0]
 
 
-def sass_mix(kernel) -> collections.Counter:
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+def compile_launch(kernel, grid, args: dict, meta: dict):
+    """Compile ``kernel`` for sm_90 as ``kernel[grid](**args, **meta)`` would on the GPU:
+    through ``JITFunction.run``'s own binder and ``_pack_args`` (Triton 3.6 internals; another
+    Triton version may move them, which shows as FAILED rows)."""
+    backend = make_backend(TARGET)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    kwargs = dict(args, **meta, debug=False, instrumentation_mode="")
+    bound, specialization, options = binder(**kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound,
+                                                              specialization, options)
+    src = ASTSource(kernel, signature, constexprs, attrs)
+    return triton.compile(src, target=TARGET, options=options.__dict__)
+
+
+def cubin_sass(cubin: bytes) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
+        f.write(cubin)
         f.flush()
-        out = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True).stdout
-    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(@!?P\d\s+)?([A-Z0-9]+)", out)
-    return collections.Counter(op for _, op in ops)
+        out = subprocess.run([knobs.nvidia.cuobjdump.path, "-sass", f.name], capture_output=True,
+                             text=True, timeout=120)
+    if out.returncode:
+        raise RuntimeError(f"cuobjdump -sass failed: {out.stderr.strip()[:500]}")
+    return out.stdout
+
+
+def ptxas_report(ptx: str, ptxas: str) -> dict:
+    """Registers, stack and spills from ``ptxas -v`` with the flags Triton compiles with (fp
+    fusion off, as the launch asks)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        out = subprocess.run([ptxas, "-lineinfo", "--fmad=false", "-v",
+                              f"--gpu-name={sm_arch_from_capability(TARGET.arch)}", f.name,
+                              "-o", os.devnull], capture_output=True, text=True, timeout=300)
+    log = out.stderr + out.stdout
+    if out.returncode:
+        raise RuntimeError(f"{ptxas} failed: {log.strip()[:500]}")
+
+    def number(pattern: str) -> int:
+        m = re.search(pattern, log)
+        return int(m.group(1)) if m else 0
+
+    return dict(regs=number(r"Used (\d+) registers"), stack=number(r"(\d+) bytes stack frame"),
+                spill_st=number(r"(\d+) bytes spill stores"),
+                spill_ld=number(r"(\d+) bytes spill loads"))
+
+
+def stats(compiled, ptxas: str) -> dict:
+    """ptxas's resource report and the SASS/PTX instruction counts of a compiled kernel."""
+    ptx = compiled.asm["ptx"]
+    sass = cubin_sass(compiled.asm["cubin"])
+    ops = [op for _, op in re.findall(r"/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass)]
+    base = collections.Counter(op.split(".")[0] for op in ops)
+    return dict(
+        ptxas_report(ptx, ptxas), shared=compiled.metadata.shared, sass=len(ops), base=base,
+        bf16=len(re.findall(r"(?:mul|add|sub)\.rn\.bf16", ptx)),
+        widths=collections.Counter(re.findall(r"\b(?:ld|st)\.global[.\w]*", ptx)),
+        sass_text=sass)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--rows", default="1,2,3,13,p1,p3",
+                   help="suite numbers 1-13, paged p1-p3, or S:C:B (default: 1,2,3,13,p1,p3)")
+    p.add_argument("--features", default="default",
+                   help=f"comma-separated, of: {', '.join(FEATURES)}; 'all' for every one "
+                        "(default: default)")
+    p.add_argument("--config", action="append", type=parse_config, metavar="HQ,HKV,T,WARPS",
+                   help="compile this tile instead of pick_config's (repeatable)")
+    p.add_argument("--variant", default="production",
+                   choices=("production", *VARIANTS),
+                   help="a patched kernel (benchmarks/_common.py VARIANTS), e.g. to see what "
+                        "the trig costs in instructions")
+    p.add_argument("--sms", type=int, default=132,
+                   help="SM count pick_config assumes (H200: 132, H100 SXM: 132)")
+    p.add_argument("--ptxas", default=knobs.nvidia.ptxas.path,
+                   help="ptxas for the register/spill report (default: the one Triton ships and "
+                        "compiles with; e.g. /usr/local/bin/ptxas to cross-check)")
+    p.add_argument("--dump", metavar="DIR", help="write each kernel's .ttgir, .ptx and .sass")
+    p.add_argument("--top", type=int, default=8, help="most frequent SASS opcodes to show")
+    args = p.parse_args()
+    try:
+        rows = parse_rows(args.rows)
+    except ValueError as e:
+        p.error(str(e))
+    features = list(FEATURES) if args.features == "all" else args.features.split(",")
+    for f in features:
+        if f not in FEATURES:
+            p.error(f"unknown feature {f!r}; known: {', '.join(FEATURES)}")
+    kernel = variant_kernel(args.variant)
+    dump = Path(args.dump) if args.dump else None
+    if dump:
+        dump.mkdir(parents=True, exist_ok=True)
+
+    print(f"triton {triton.__version__} | target sm_{TARGET.arch} | ptxas {args.ptxas} | "
+          f"kernel: {args.variant} | pick_config with {args.sms} SMs")
+    print("regs/spills/stack: ptxas -v (stack: libdevice sin/cos range reduction, not spills); "
+          "smem: Triton's metadata; SASS: instructions; LDG/STG/BAR/MUFU: SASS counts; bf16 ops: "
+          "PTX mul/add/sub.rn.bf16")
+    print("| row | feature | tile (HQ,HKV,T,warps) | grid | regs | spill st/ld B | stack B | "
+          "smem B | SASS | LDG | STG | BAR | MUFU | bf16 ops | PTX global ld/st | top SASS | s |")
+    print("|" + "---|" * 17)
+    failed = 0
+    for row in rows:
+        for feature in features:
+            for config in args.config or [None]:
+                t0 = time.perf_counter()
+                try:
+                    grid, kargs, meta = captured_launch(row, feature, config, args.sms, kernel)
+                    tile = (meta["BLOCK_HQ"], meta["BLOCK_HKV"], meta["BLOCK_T"],
+                            meta["num_warps"])
+                    compiled = compile_launch(kernel, grid, kargs, meta)
+                    s = stats(compiled, args.ptxas)
+                except Exception as e:  # report and go on: one bad variant hides no others
+                    failed += 1
+                    why = (str(e).splitlines() or [""])[0][:200]
+                    print(f"| {row.label} | {feature} | {config and tuple(config)} | FAILED: "
+                          f"{type(e).__name__}: {why} |", flush=True)
+                    continue
+                widths = "; ".join(
+                    f"{kind}: " + " ".join(f"{k[len(kind) + 7:] or '.?'}x{n}"
+                                           for k, n in sorted(s["widths"].items())
+                                           if k.startswith(kind))
+                    for kind in ("ld", "st"))
+                top = " ".join(f"{op}:{n}" for op, n in s["base"].most_common(args.top))
+                b = s["base"]
+                print(f"| {row.label} | {feature} | {tile} | {grid} | {s['regs']} | "
+                      f"{s['spill_st']}/{s['spill_ld']} | {s['stack']} | {s['shared']} | "
+                      f"{s['sass']} | {b['LDG']} | {b['STG']} | {b['BAR']} | {b['MUFU']} | "
+                      f"{s['bf16']} | {widths} | {top} | {time.perf_counter() - t0:.1f} |",
+                      flush=True)
+                if dump:
+                    stem = dump / (f"{row.label.replace(':', '-')}_{feature}_{args.variant}_"
+                                   + "-".join(map(str, tile)))
+                    stem.with_suffix(".ttgir").write_text(compiled.asm["ttgir"])
+                    stem.with_suffix(".ptx").write_text(compiled.asm["ptx"])
+                    stem.with_suffix(".sass").write_text(s["sass_text"])
+    if failed:
+        sys.exit(f"{failed} compile(s) failed")
 
 
 if __name__ == "__main__":
-    for tile in [(1, 1, 1, 1), (2, 2, 1, 1), (16, 8, 1, 2), (32, 8, 1, 4), (16, 8, 2, 2)]:
-        k = compile_tile(*tile)
-        ptx = k.asm["ptx"]
-        widths = collections.Counter(re.findall(r"(?:ld|st)\.global[.\w]*", ptx))
-        mix = sass_mix(k)
-        bf16_ops = len(re.findall(r"(?:mul|add|sub)\.rn\.bf16", ptx))
-        print(f"{tile}: SASS {sum(mix.values())} instr, spills {mix['STL']} STL; "
-              f"bf16 ops {bf16_ops}; "
-              f"global ld/st {dict(widths)}; top {mix.most_common(6)}")
-    print("paged kernel (D, rotary_dim, gptj, fp8, per-head scale, heads/program, warps):")
-    for variant in [(128, 128, False, False, False, 16, 2), (128, 64, True, False, False, 16, 2),
-                    (256, 256, False, True, True, 8, 2), (512, 512, False, False, False, 4, 4)]:
-        k = compile_paged(*variant)
-        widths = collections.Counter(re.findall(r"(?:ld|st)\.global[.\w]*", k.asm["ptx"]))
-        mix = sass_mix(k)
-        print(f"  {variant}: SASS {sum(mix.values())} instr, spills {mix['STL']} STL; "
-              f"global ld/st {dict(widths)}")
+    main()

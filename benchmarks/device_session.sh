@@ -7,10 +7,17 @@
 #   bash benchmarks/device_session.sh sweep      # --sweep vs torch.compile, 96/8 and 32/8 heads
 #   bash benchmarks/device_session.sh e2e        # Qwen3 decode step with/without the patch
 #   bash benchmarks/device_session.sh tiles      # tile sweep on the mid-size workloads
-#   bash benchmarks/device_session.sh host       # host µs per call: Python vs native helpers
+#   bash benchmarks/device_session.sh decode     # decode tiles, B=1..16, 3 rounds (open lead 1)
+#   bash benchmarks/device_session.sh prefill    # tiles at 8-64 prefill tokens (open lead 2)
+#   bash benchmarks/device_session.sh trig       # trig cost probes (patched kernel copies)
+#   bash benchmarks/device_session.sh host       # host µs per call: native helpers vs off
 #   bash benchmarks/device_session.sh python     # QKROPE_NATIVE=0: launcher + GPU tests
-#   bash benchmarks/device_session.sh launch     # native vs Triton launch route, GPU + host µs
+#   bash benchmarks/device_session.sh launch     # native vs checked launch route, GPU + host µs
+#   bash benchmarks/device_session.sh accuracy   # kernel vs reference vs exact fp64
+#   bash benchmarks/device_session.sh copy       # which plain copy is the same-bytes yardstick
+#   bash benchmarks/device_session.sh ab REV     # kernel_ab.py: REV against the tree (needs .git)
 #   bash benchmarks/device_session.sh quick      # qkrope bench, qkrope only (~80 s)
+# What needs no GPU runs here instead: python benchmarks/compile_sm90.py (benchmarks/README.md).
 # Liger-Kernel, if wanted, travels as a wheel in .whl/ (see the device tool's README).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -36,12 +43,26 @@ case "${1:-tests}" in
              2>&1 | tee "$OUT/sweep-$m.md"
          done ;;
   e2e)   python3 benchmarks/e2e_qwen3.py 2>&1 | tee "$OUT/e2e.md" ;;
-  tiles) python3 benchmarks/tile_sweep.py --workloads 3,4,6,8,10 \
-           --configs 16,8,1,2 8,8,2,2 16,8,2,2 8,4,2,1 32,8,1,4 4,4,4,2 2>&1 | tee "$OUT/tiles.md" ;;
-  host)  python3 benchmarks/host_probe.py 2>&1 | tee "$OUT/host.md" ;;
+  tiles) python3 benchmarks/tile_sweep.py --rows 3,4,6,8,10 \
+           --configs pick 16,8,1,2 8,8,2,2 16,8,2,2 8,4,2,1 32,8,1,4 4,4,4,2 \
+           --json "$OUT/tiles.json" 2>&1 | tee "$OUT/tiles.md" ;;
+  decode) python3 benchmarks/tile_sweep.py --rows 2,1,1:511:2,1:511:8,1:511:16 \
+           --configs pick 1,1,1,1 2,1,1,1 2,2,1,1 4,2,1,1 1,1,1,2 --rounds 3 --iters 50 \
+           --json "$OUT/decode-tiles.json" 2>&1 | tee "$OUT/decode-tiles.md" ;;
+  prefill) python3 benchmarks/tile_sweep.py --rows 8:0:1,16:0:1,32:0:1,64:0:1 \
+           --configs pick 1,1,1,1 2,1,1,1 4,2,1,1 8,8,1,2 16,8,1,2 --rounds 3 --iters 50 \
+           --json "$OUT/prefill-tiles.json" 2>&1 | tee "$OUT/prefill-tiles.md" ;;
+  trig)  python3 benchmarks/tile_sweep.py --rows 1,2,3,6,8,13 --configs pick \
+           --variants production,trig-hw,trig-const --rounds 3 \
+           --json "$OUT/trig.json" 2>&1 | tee "$OUT/trig.md" ;;
+  host)  python3 benchmarks/host_probe.py --rows 1,2 2>&1 | tee "$OUT/host.md" ;;
   python) QKROPE_NATIVE=0 python3 -m pytest -q -p no:cacheprovider tests/test_launcher.py \
             tests/test_gpu.py tests/test_compile.py 2>&1 | tee "$OUT/pytest-python.log" | tail -5 ;;
   launch) python3 benchmarks/launch_ab.py 2>&1 | tee "$OUT/launch.md" ;;
+  accuracy) python3 benchmarks/accuracy.py 2>&1 | tee "$OUT/accuracy.md" ;;
+  copy)  python3 benchmarks/copy_probe.py 2>&1 | tee "$OUT/copy.md" ;;
+  ab)    python3 benchmarks/kernel_ab.py --rev "${2:?usage: device_session.sh ab REV}" \
+           --json "$OUT/kernel-ab.json" 2>&1 | tee "$OUT/kernel-ab.md" ;;
   quick) python3 -m qkrope bench --impl qkrope --json "$OUT/quick.json" 2>&1 | tee "$OUT/quick.md" ;;
   *) echo "unknown step $1" >&2; exit 2 ;;
 esac

@@ -1,32 +1,36 @@
-"""Host µs per eager call on a GPU machine, and its parts, against torch's ``x.add_(1)``:
-the measurement behind issue 4's host target (docs/perf-notes.md, runs 7 and 10).
+"""Host µs per eager call on a GPU machine, and the parts of the native fast path, beside
+torch's ``x.add_(1)``: the measurement behind issue 4's host target (docs/perf-notes.md, runs
+7, 10, 11, 13).
 
-    python benchmarks/host_probe.py            # Python helpers, then the native ones
+    python benchmarks/host_probe.py                    # 1-token decode (suite #1)
+    python benchmarks/host_probe.py --rows 1,2,p1 --calls 2000
 
-Each row: 3000 back-to-back calls in 3 runs (wall clock, synchronised at the end of each run),
-the median run, for the 1-token decode workload (SPEC #1). (Runs 7 and 10 of
-docs/perf-notes.md took the best run instead.) The fast path's native helpers (signature and
-output allocation, qkrope/ops/_native.py) are built if possible (~30 s on a first run) and
-measured in the same process as the Python ones, so both columns share one machine instance.
+Per row, in one process: the public call with the native helpers (signature, output allocation
+and ``cuLaunchKernel`` from C++, csrc/fast_path.cpp; built first, ~30 s on a first run) and
+without them (``QKROPE_NATIVE=0`` in-process: every call is checked and launched through
+Triton's public launch), with outputs preallocated and allocated; then the native parts one by
+one. Each figure is the bench's estimator (``host_times_beside_us``): ``--calls`` calls in 10
+runs alternating with runs of ``x.add_(1)``; µs is the median run, × add_ the median ratio of a
+run to the add_ run just before it (a shared host drifts by 1.5x within seconds: only ratios
+measured side by side compare across runs).
 """
 
+from __future__ import annotations
+
+import argparse
+import os
+import sys
 import time
 
 import torch
 import triton
 import triton.language as tl
 
-import qkrope
-from qkrope.bench.timing import host_time_per_call_us
-from qkrope.ops import _native
-from qkrope.ops._direct_launch import outputs, signature
-from qkrope.ops.qknorm_rope_cache import launcher
-from qkrope.suite import SUITE, make_inputs
-
-
-def host_us(fn) -> float:
-    """µs per call: 3000 back-to-back calls in 3 runs, the median run (the bench's estimator)."""
-    return host_time_per_call_us(fn, calls=3000, batches=3)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import parse_rows, require_cuda, row_inputs, row_op, row_options  # noqa: E402
+from qkrope.bench.timing import host_times_beside_us  # noqa: E402
+from qkrope.ops import _native  # noqa: E402
+from qkrope.ops.qknorm_rope.launcher import LAUNCHER  # noqa: E402
 
 
 @triton.jit
@@ -35,51 +39,89 @@ def trivial_kernel(x_ptr, n, BLOCK: tl.constexpr):
     tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n) + 1, mask=i < n)
 
 
-def rows(args, q_out, k_out):
+def native_parts(row, args, q_out, k_out) -> list:
+    """The fast path's three native steps, as ``KernelLauncher.fast_call`` runs them."""
+    op = row_op(row)
+    LAUNCHER.plans.clear()
+    op(*args, query_out=q_out, key_out=k_out)  # the checked call that makes the plan
+    # The fast path's key: the options as a plain tuple, then the ten inputs, the two FP8
+    # scales (None here) and the outputs (api.py).
+    options = tuple(row_options(row))
+    tensors = (*args[:10], None, None, q_out, k_out)
+    found = LAUNCHER.signature(options, tensors)
+    plan = LAUNCHER.find(found[0]) if found else None
+    if plan is None:
+        raise RuntimeError(f"no native plan for row {row.label}: the fast path is not taken "
+                           f"({_native.status()})")
+    values = (*found[1], args[10])
+    outputs = _native.outputs_fn()
     q, k = args[0], args[1]
-    tensors = list(args[:10])
-    f = qkrope.run
-    f(*args)
-    f(*args, query_out=q_out, key_out=k_out)  # the checked calls that create the plans
-    addresses = []
-    plan = launcher._PLANS.find(signature(False, (*tensors, q_out, k_out), addresses))
-    assert plan is not None, "no plan: the fast path is not taken"
     return [
-        ("qkrope, outputs preallocated", lambda: f(*args, query_out=q_out, key_out=k_out)),
-        ("qkrope, outputs allocated", lambda: f(*args)),
-        ("  signature + plan lookup",
-         lambda: launcher._PLANS.find(signature(False, (*tensors, q_out, k_out), []))),
-        ("  launch of the plan", lambda: plan.launch(addresses, 1e-6)),
+        ("  signature + plan lookup", lambda: LAUNCHER.find(LAUNCHER.signature(options,
+                                                                                tensors)[0])),
+        ("  launch of the plan (cuLaunchKernel)", lambda: plan.launch(values)),
         ("  allocation of both outputs", lambda: outputs(q, k, None, None)),
     ]
 
 
-def main():
-    args = make_inputs(SUITE[0], device="cuda", cache_capacity=64)
-    q_out, k_out = torch.empty_like(args[0]), torch.empty_like(args[1])
-    x = torch.zeros(16, device="cuda")
-    add = host_us(lambda: x.add_(1))
-    base = [("x.add_(1)", add),
-            ("trivial 3-argument Triton kernel, kernel[grid](...)",
-             host_us(lambda: trivial_kernel[(1,)](x, 16, BLOCK=16)))]
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--rows", default="1", help="suite numbers 1-13, paged p1-p3, or S:C:B")
+    p.add_argument("--calls", type=int, default=3000, help="calls per figure (10 runs)")
+    args = p.parse_args()
+    try:
+        rows = parse_rows(args.rows)
+    except ValueError as e:
+        p.error(str(e))
+    require_cuda("host_probe.py")
 
-    _native.set_enabled(False)
-    python = [(name, host_us(fn)) for name, fn in rows(args, q_out, k_out)]
-    _native.set_enabled(True)
     t0 = time.perf_counter()
-    built = _native.load() is not None
+    built = _native.load(timeout=600, force=True) is not None
     build_s = time.perf_counter() - t0
-    native = [(name, host_us(fn)) for name, fn in rows(args, q_out, k_out)] if built else []
+    x = torch.zeros(16, device="cuda")
+    add = lambda: x.add_(1)  # noqa: E731
+
+    def measure(fn):
+        us, _, ratio = host_times_beside_us(fn, add, calls=args.calls)
+        return us, ratio
 
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton "
-          f"{triton.__version__} | native helpers: {_native.status()} ({build_s:.1f} s)")
-    print("| what | Python helpers µs | × add_ | native helpers µs | × add_ |")
-    print("|---|---|---|---|---|")
-    for name, t in base:
-        print(f"| {name} | {t:.2f} | {t / add:.2f} | | |")
-    for i, (name, t) in enumerate(python):
-        nat = f"{native[i][1]:.2f} | {native[i][1] / add:.2f}" if native else "— | —"
-        print(f"| {name} | {t:.2f} | {t / add:.2f} | {nat} |")
+          f"{triton.__version__} | native helpers: {_native.status()} (load {build_s:.1f} s) | "
+          f"{args.calls} calls per figure in 10 runs beside x.add_(1)")
+    add_us, _ = measure(add)
+    trivial = measure(lambda: trivial_kernel[(1,)](x, 16, BLOCK=16))
+    print("| row | what | native µs | × add_ | QKROPE_NATIVE=0 µs | × add_ |")
+    print("|---|---|---|---|---|---|")
+    print(f"| | x.add_(1) | {add_us:.2f} | 1.00 | | |")
+    print(f"| | trivial 3-argument Triton kernel, kernel[grid](...) | {trivial[0]:.2f} | "
+          f"{trivial[1]:.2f} | | |")
+    for row in rows:
+        a = row_inputs(row, device="cuda", cache_capacity=None if row.paged else
+                       row.workload.cache_len + row.workload.seq_len + 64)
+        q_out, k_out = torch.empty_like(a[0]), torch.empty_like(a[1])
+        op = row_op(row)
+        calls = [("qkrope, outputs preallocated", lambda: op(*a, query_out=q_out, key_out=k_out)),
+                 ("qkrope, outputs allocated", lambda: op(*a))]
+        table = {}
+        for native in (True, False):
+            _native.set_enabled(native)
+            LAUNCHER.plans.clear()
+            for name, fn in calls:
+                fn()
+                fn()  # the second call takes the fast path where there is one
+                table[name, native] = measure(fn)
+            if not native and LAUNCHER.plans:
+                raise RuntimeError("QKROPE_NATIVE=0 made native plans: not the route under test")
+        _native.set_enabled(True)
+        parts = native_parts(row, a, q_out, k_out) if built else []
+        for name, fn in parts:
+            table[name, True] = measure(fn)
+        for name in [n for n, _ in calls] + [n for n, _ in parts]:
+            nat = table.get((name, True))
+            off = table.get((name, False))
+            cell = lambda m: f"{m[0]:.2f} | {m[1]:.2f}" if m else "— | —"  # noqa: E731
+            print(f"| {row.label} | {name} | {cell(nat)} | {cell(off)} |", flush=True)
+        del a, q_out, k_out
 
 
 if __name__ == "__main__":

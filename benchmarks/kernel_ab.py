@@ -3,6 +3,11 @@ suite and the paged workloads, interleaved in one run (docs/perf-notes.md).
 
     python benchmarks/kernel_ab.py --rev c847d97                  # every suite + paged row
     python benchmarks/kernel_ab.py --rev HEAD~1 --workloads 1,2,p1 --rounds 3
+    python benchmarks/kernel_ab.py --rev c847d97 --tree probe=/tmp/probe/src   # + a variant
+
+"old" is the first ``--rev``; further ``--rev``s and ``--tree NAME=SRC`` (a patched copy of
+``src/``, e.g. a probe variant of the kernel) are timed in the same rounds and reported as
+ratios to "old" beside "new" (the working tree).
 
 Each version runs in its own worker process (its own ``qkrope`` package: the revision's
 ``src/`` from ``git archive``, or the working tree's), so versions whose launchers take other
@@ -50,6 +55,7 @@ def tree_at(rev: str, into: str) -> str:
     """``src/`` of ``rev`` unpacked under ``into``; returns the path to put on sys.path."""
     archive = subprocess.run(["git", "archive", "--format=tar", rev, "src"], check=True,
                              capture_output=True).stdout
+    os.makedirs(into, exist_ok=True)
     path = os.path.join(into, "archive.tar")
     with open(path, "wb") as f:
         f.write(archive)
@@ -71,7 +77,10 @@ def run_worker(src: str, rows: list[str], iters: int, host_calls: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--rev", required=True, help="git revision of the 'old' version")
+    p.add_argument("--rev", required=True, action="append",
+                   help="git revision of the 'old' version (repeat: more versions)")
+    p.add_argument("--tree", action="append", default=[], metavar="NAME=SRC",
+                   help="another version: a src/ directory (e.g. a probe variant)")
     p.add_argument("--workloads", default=",".join([*map(str, range(1, 14)), "p1", "p2", "p3"]),
                    help="suite rows 1-13 and paged rows p1-p3 (default: all)")
     p.add_argument("--iters", type=int, default=50)
@@ -82,8 +91,13 @@ def main() -> None:
 
     rows = args.workloads.split(",")
     with tempfile.TemporaryDirectory() as tmp:
-        versions = {"old": tree_at(args.rev, tmp),
-                    "new": os.path.join(os.path.dirname(os.path.dirname(__file__)) or ".", "src")}
+        versions = {"old": tree_at(args.rev[0], os.path.join(tmp, "old"))}
+        for rev in args.rev[1:]:
+            versions[rev] = tree_at(rev, os.path.join(tmp, rev))
+        versions["new"] = os.path.join(os.path.dirname(os.path.dirname(__file__)) or ".", "src")
+        for spec in args.tree:
+            name, _, src = spec.partition("=")
+            versions[name] = src
         runs = {name: [] for name in versions}
         for _ in range(args.rounds):
             for name, src in versions.items():
@@ -91,13 +105,15 @@ def main() -> None:
     import torch
     import triton
 
+    extra = [n for n in versions if n not in ("old", "new")]
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton "
-          f"{triton.__version__} | old = {args.rev} ({runs['old'][0]['route']}), new = working "
-          f"tree ({runs['new'][0]['route']}) | {args.rounds} rounds x {args.iters} calls, "
-          "interleaved")
-    print("| row | old µs | new µs | new/old | old host µs | new host µs | host new/old |\n"
-          "|---|---|---|---|---|---|---|")
-    logs = {"old": 0.0, "new": 0.0}
+          f"{triton.__version__} | old = {args.rev[0]} ({runs['old'][0]['route']}), new = working "
+          f"tree ({runs['new'][0]['route']}){''.join(f', {n}' for n in extra)} | {args.rounds} "
+          f"rounds x {args.iters} calls, interleaved")
+    print("| row | old µs | new µs | new/old | " + "".join(f"{n}/old | " for n in extra)
+          + "old host µs | new host µs | host new/old |\n|---|---|---|---|"
+          + "---|" * len(extra) + "---|---|---|")
+    logs = {n: 0.0 for n in versions}
     suite_rows = [r for r in rows if not r.startswith("p")]
     table = {}
     for r in rows:
@@ -110,10 +126,11 @@ def main() -> None:
                 logs[n] += math.log(med[n]) / len(suite_rows)
         table[r] = dict(gpu=med, host=host)
         print(f"| {r} | {med['old']:.2f} | {med['new']:.2f} | {med['new'] / med['old']:.3f} | "
-              f"{host['old']:.2f} | {host['new']:.2f} | {host['new'] / host['old']:.3f} |",
+              + "".join(f"{med[n] / med['old']:.3f} | " for n in extra)
+              + f"{host['old']:.2f} | {host['new']:.2f} | {host['new'] / host['old']:.3f} |",
               flush=True)
     if suite_rows:
-        print(f"suite geomean µs: old {math.exp(logs['old']):.3f}, new {math.exp(logs['new']):.3f}")
+        print("suite geomean µs: " + ", ".join(f"{n} {math.exp(v):.3f}" for n, v in logs.items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(rev=args.rev, table=table, runs=runs), f)

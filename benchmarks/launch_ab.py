@@ -1,69 +1,88 @@
-"""A/B of the fast path's two launch routes on suite workloads, in one process, interleaved:
-the native helpers (signature, outputs and ``cuLaunchKernel`` from C++, csrc/fast_path.cpp)
-against the Python helpers and Triton's own C launcher (``QKROPE_NATIVE=0``).
+"""Does the launch route change GPU time? A/B of the two routes a repeated eager call can take
+(src/qkrope/ops/_launch.py), in one process, interleaved: the native route (signature, outputs
+and ``cuLaunchKernel`` from C++, csrc/fast_path.cpp) against ``QKROPE_NATIVE=0`` (every call
+checked and launched through Triton's public launch). docs/perf-notes.md, run 14.
 
-    python benchmarks/launch_ab.py                      # workloads 1,2,3,6,8,10
-    python benchmarks/launch_ab.py --workloads 1,13 --rounds 5
+    python benchmarks/launch_ab.py                        # rows 1,2,3,6,8,10
+    python benchmarks/launch_ab.py --rows 1,13,p1 --rounds 5
 
-Per route and round: the plan cache is emptied, the call made twice (the checked call that
-makes the plan, then one through it), then timed: GPU µs per call (SPEC §3 protocol: CUPTI,
-L2 flushed, 50 calls) and host µs per call (the bench's estimator: 2000 back-to-back calls in
-5 runs, the median run), with ``x.add_(1)`` timed the same way once per workload. The same
-kernel binary runs either way, so GPU times should agree within noise.
+Per route and round: the native plans are dropped, the call made twice (the checked call that
+makes the plan, then one through it where the route has plans), then timed: GPU µs per call
+(SPEC §3 protocol: CUPTI, L2 flushed, 50 calls) and host µs per call beside ``x.add_(1)``
+(``host_times_beside_us``: runs alternating with add_ runs; × add_ is the median ratio). The
+same kernel binary runs either way, so GPU times should agree within noise.
 """
 
+from __future__ import annotations
+
 import argparse
+import os
 import statistics
+import sys
 
 import torch
 import triton
 
-import qkrope
-from qkrope.bench.timing import L2Flusher, cupti_call_times_us, host_time_per_call_us
-from qkrope.ops import _native
-from qkrope.ops.qknorm_rope_cache import launcher
-from qkrope.suite import SUITE, make_inputs
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import parse_rows, require_cuda, row_inputs, row_op  # noqa: E402
+from qkrope.bench.timing import L2Flusher, cupti_call_times_us, host_times_beside_us  # noqa: E402
+from qkrope.ops import _native  # noqa: E402
+from qkrope.ops.qknorm_rope.launcher import LAUNCHER  # noqa: E402
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workloads", default="1,2,3,6,8,10")
-    parser.add_argument("--rounds", type=int, default=3)
-    opts = parser.parse_args()
-    module = _native.load(force=True)
-    assert module is not None, _native.status()
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--rows", "--workloads", default="1,2,3,6,8,10",
+                   help="suite numbers 1-13, paged p1-p3, or S:C:B")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--host-calls", type=int, default=2000, help="per route and round")
+    args = p.parse_args()
+    try:
+        rows = parse_rows(args.rows)
+    except ValueError as e:
+        p.error(str(e))
+    require_cuda("launch_ab.py")
+    module = _native.load(timeout=600, force=True)
+    if module is None:
+        sys.exit(f"launch_ab.py: the native helpers are not available: {_native.status()}")
     flush = L2Flusher()
     x = torch.zeros(16, device="cuda")
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton "
-          f"{triton.__version__} | {opts.rounds} rounds, routes interleaved")
-    print("| # | tokens | native GPU µs | Triton GPU µs | native / Triton | native host µs | "
-          "Triton host µs | x.add_(1) host µs | native host / add_ |")
+          f"{triton.__version__} | {args.rounds} rounds, routes interleaved")
+    print("| row | tokens | native GPU µs | checked GPU µs | native / checked | "
+          "native host µs | × add_ | checked host µs | × add_ |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for i in (int(s) for s in opts.workloads.split(",")):
-        w = SUITE[i - 1]
-        args = make_inputs(w, device="cuda")
+    for row in rows:
+        a = row_inputs(row, device="cuda")
+        op = row_op(row)
         gpu = {True: [], False: []}
         host = {True: [], False: []}
-        for _ in range(opts.rounds):
+        for _ in range(args.rounds):
             for native in (True, False):
                 _native.set_enabled(native)
-                launcher._PLANS.clear()
+                LAUNCHER.plans.clear()
 
                 def call():
-                    return qkrope.run(*args)
+                    return op(*a)
 
                 call()
                 call()
-                (plan,) = launcher._PLANS.values()
-                assert (plan.run is module.launch) == native, "not the route under test"
+                plans = list(LAUNCHER.plans.values())
+                if native != bool(plans) or any(pl.run is not module.launch for pl in plans):
+                    raise RuntimeError(f"row {row.label}: route {'native' if native else 'checked'}"
+                                       f" not under test (plans: {len(plans)})")
                 gpu[native] += cupti_call_times_us(call, flush, iters=50, warmup=10)
-                host[native].append(host_time_per_call_us(call, 2000))
+                us, _, ratio = host_times_beside_us(call, lambda: x.add_(1), args.host_calls)
+                host[native].append((us, ratio))
         _native.set_enabled(True)
-        add = host_time_per_call_us(lambda: x.add_(1), 2000)
-        g_n, g_t = statistics.median(gpu[True]), statistics.median(gpu[False])
-        h_n, h_t = statistics.median(host[True]), statistics.median(host[False])
-        print(f"| {i} | {w.tokens} | {g_n:.2f} | {g_t:.2f} | {g_n / g_t:.3f} | {h_n:.1f} | "
-              f"{h_t:.1f} | {add:.1f} | {h_n / add:.2f} |")
+        g = {n: statistics.median(gpu[n]) for n in gpu}
+        h = {n: statistics.median(u for u, _ in host[n]) for n in host}
+        r = {n: statistics.median(q for _, q in host[n]) for n in host}
+        print(f"| {row.label} | {row.workload.tokens} | {g[True]:.2f} | {g[False]:.2f} | "
+              f"{g[True] / g[False]:.3f} | {h[True]:.1f} | {r[True]:.2f} | {h[False]:.1f} | "
+              f"{r[False]:.2f} |", flush=True)
+        del a
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

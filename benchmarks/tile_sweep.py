@@ -1,47 +1,164 @@
-"""Time tile configurations of the fused kernel with the SPEC §3 protocol (CUPTI, L2 flushed,
-median) on chosen suite workloads: the tool behind docs/perf-notes.md's config tables.
+"""Which tile shape (heads x tokens per program, warps) is fastest per workload, and what a
+patched kernel (e.g. without trig) would gain: GPU time with the SPEC §3 protocol (CUPTI, L2
+flushed before every call, median) of forced tile configs and kernel variants, the tool behind
+docs/perf-notes.md's tile tables (runs 3, 4, 6, 16) and trig probes (runs 3, 4, 7).
 
-    python benchmarks/tile_sweep.py                       # default workloads and candidates
-    python benchmarks/tile_sweep.py --workloads 1,3,13 --configs 16,8,1,2 1,1,1,1
+    python benchmarks/tile_sweep.py                                  # default rows and tiles
+    python benchmarks/tile_sweep.py --rows 2,1 --configs 1,1,1,1 2,1,1,1 --rounds 3
+    python benchmarks/tile_sweep.py --rows 3,6,8 --configs pick --variants production,trig-hw
+    python benchmarks/tile_sweep.py --rows 1:0:1 --check-only       # no GPU: the interpreter
+
+Rows: suite numbers 1-13, paged p1-p3, or S:C:B. Each candidate (config x variant) goes through
+the production launch (``launcher.launch``, Triton's public launch) with ``pick_config``'s
+answer replaced by the candidate's tile ("pick" keeps it); variants are kernel.py with text
+substituted (benchmarks/_common.py VARIANTS), loaded as a separate module: nothing of them
+lives in src/. Every candidate is first checked against the reference (query/key outputs and
+the written cache rows, SPEC §2 rule at the row's atol); probes that drop work are expected to
+fail it. Rounds alternate the candidates; per candidate the median of all its calls is
+reported.
 """
 
+from __future__ import annotations
+
 import argparse
+import json
+import os
+import statistics
+import sys
 
 import torch
 
-from qkrope.bench.timing import L2Flusher, copy_bandwidth, cupti_call_times_us, summarize
-from qkrope.ops.qknorm_rope_cache.launcher import TileConfig, launch, pick_config
-from qkrope.suite import SUITE, bytes_moved, make_inputs
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import qkrope  # noqa: E402
+from _common import (  # noqa: E402
+    VARIANTS, forced, launch_args, parse_config, parse_rows, require_cuda, row_inputs,
+    row_options, variant_kernel,
+)
+from qkrope._interpret import interpreting  # noqa: E402
+from qkrope.ops.qknorm_rope import launcher  # noqa: E402
+from qkrope.suite import DEFAULT_MODEL, bytes_moved, check_outputs  # noqa: E402
 
-DEFAULT = ["1,1,1,1", "2,2,1,1", "8,8,1,2", "16,8,1,2", "32,8,1,4", "16,8,2,2"]
+DEFAULT_CONFIGS = ["pick", "1,1,1,1", "2,1,1,1", "2,2,1,1", "8,8,1,2", "16,8,1,2", "32,8,1,4",
+                   "16,8,2,2"]
+
+
+def written_rows(row, outs):
+    """``(query_rotated, key_rotated, written K rows, written V rows)`` of one call's outputs
+    (the caches are compared only where the call writes: they are up to GBs)."""
+    q, k, kc, vc, args = outs
+    rows = args[6]
+    if row.paged:  # [blocks, block_size, Hkv, D] -> the slots' rows
+        flat = lambda c: c.reshape(-1, *c.shape[2:])[rows]  # noqa: E731
+    else:
+        flat = lambda c: c[:, :, rows]  # noqa: E731
+    return q, k, flat(kc), flat(vc)
+
+
+def check(row, args, want, kernel, config) -> str:
+    """One call of the candidate on fresh copies of the caches, against the reference's
+    ``want`` (:func:`written_rows`): "ok", "WRONG", or "FAILED: why" (a tile or variant that
+    does not compile or launch)."""
+    kc, vc = args[4].clone(), args[5].clone()
+    mine = (*args[:4], kc, vc, *args[6:])
+    q_out, k_out = torch.empty_like(args[0]), torch.empty_like(args[1])
+    try:
+        with forced(kernel=kernel, config=config):
+            launcher.launch(*launch_args(mine, q_out, k_out, row_options(row)))
+    except Exception as e:  # reported in the table; the other candidates still run
+        return f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+    got = written_rows(row, (q_out, k_out, kc, vc, args))
+    return "ok" if all(c.ok for c in check_outputs(got, want, row.workload.atol)) else "WRONG"
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--workloads", default="1,2,3,5,13", help="suite numbers, 1-based")
-    p.add_argument("--configs", nargs="+", default=DEFAULT,
-                   help="BLOCK_HQ,BLOCK_HKV,BLOCK_S,num_warps[,eviction[,trig]]")
-    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--rows", "--workloads", default="1,2,3,5,13",
+                   help="suite numbers 1-13, paged p1-p3, or S:C:B (default: 1,2,3,5,13)")
+    p.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, metavar="HQ,HKV,T,WARPS",
+                   help="BLOCK_HQ,BLOCK_HKV,BLOCK_T,num_warps (powers of two), or 'pick': "
+                        "pick_config's choice for the row")
+    p.add_argument("--variants", default="production",
+                   help=f"comma-separated kernels: production, {', '.join(VARIANTS)}")
+    p.add_argument("--iters", type=int, default=30, help="timed calls per candidate and round")
+    p.add_argument("--rounds", type=int, default=1, help="rounds, candidates alternating")
+    p.add_argument("--cache-len", type=int, default=None,
+                   help="cache rows L of [B, H, S, D] rows (default: the model's 262144 on a GPU, "
+                        "as the suite run; C+S without one; paged rows size their own)")
+    p.add_argument("--check-only", action="store_true",
+                   help="check every candidate against the reference, time nothing (runs in "
+                        "Triton's interpreter without a GPU: keep the rows tiny; variants patch "
+                        "only the GPU code path, so there they pass like production)")
+    p.add_argument("--json", metavar="PATH", help="write every timed call here")
     args = p.parse_args()
-    bw, flush = copy_bandwidth(), L2Flusher()
-    print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
-    for n in (int(x) for x in args.workloads.split(",")):
-        w = SUITE[n - 1]
-        a = make_inputs(w, device="cuda")
+    try:
+        rows = parse_rows(args.rows)
+        configs = [(text, None if text == "pick" else parse_config(text))
+                   for text in args.configs]
+    except ValueError as e:
+        p.error(str(e))
+    variants = args.variants.split(",")
+    for v in variants:
+        if v != "production" and v not in VARIANTS:
+            p.error(f"unknown variant {v!r}; known: production, {', '.join(VARIANTS)}")
+    if not args.check_only:
+        require_cuda("tile_sweep.py (timing; --check-only runs the checks without a GPU)")
+    kernels = {v: variant_kernel(v) for v in variants}
+    candidates = [(f"{text}" + ("" if v == "production" else f"/{v}"), cfg, kernels[v])
+                  for v in variants for text, cfg in configs]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    if args.check_only:
+        print(f"checking on {device}{' (Triton interpreter)' if interpreting() else ''}")
+    else:
+        from qkrope.bench.timing import L2Flusher, copy_bandwidth, cupti_call_times_us
+
+        bw, flush = copy_bandwidth(), L2Flusher()
+        print(f"{torch.cuda.get_device_name()} | copy bandwidth {bw / 1e12:.2f} TB/s | "
+              f"{args.rounds} round(s) x {args.iters} calls, candidates alternating")
+    for v in variants:
+        if v != "production":
+            print(f"variant {v}: {VARIANTS[v][0]}")
+    log = {}
+    for row in rows:
+        w = row.workload
+        cache_len = None if row.paged else args.cache_len or (
+            DEFAULT_MODEL.max_position_embeddings if device == "cuda" else w.cache_len + w.seq_len)
+        g = torch.Generator(device=device).manual_seed(0)
+        a = row_inputs(row, device=device, generator=g, cache_capacity=cache_len)
+        reference = qkrope.reference_paged if row.paged else qkrope.reference
+        want = written_rows(row, (*reference(*a, inplace=False), a))
+        ok = {name: check(row, a, want, kernel, cfg) for name, cfg, kernel in candidates}
+        del want
+        T = w.tokens if row.paged else w.seq_len
+        B = 1 if row.paged else w.batch
+        pick = tuple(launcher.pick_config(B, T, DEFAULT_MODEL.num_q_heads,
+                                          DEFAULT_MODEL.num_kv_heads, DEFAULT_MODEL.head_dim,
+                                          interpreting()))
+        if args.check_only:
+            print(f"{row.label} {w.name}: " + "  ".join(
+                f"({name})={status}" for name, status in ok.items()))
+            continue
         q_out, k_out = torch.empty_like(a[0]), torch.empty_like(a[1])
-        pos = a[3].expand(w.batch, w.seq_len)
-        res = []
-        for text in args.configs:
-            f = text.split(",")
-            cfg = TileConfig(*map(int, f[:4]), *(f[4:5] or [""]), *map(int, f[5:6]))
-            times = cupti_call_times_us(
-                lambda: launch(*a[:3], pos, *a[4:], q_out, k_out, cfg), flush, iters=args.iters)
-            res.append((summarize(times).median, text))
-        default = pick_config(w.batch, 96, 8, w.seq_len, 128, False)
-        print(f"#{n} {w.name} floor {bytes_moved(w) / bw * 1e6:.2f} µs, default "
-              f"{tuple(default)[:4]}: " + "  ".join(f"({c})={t:.2f}" for t, c in sorted(res)))
+        runnable = [c for c in candidates if not ok[c[0]].startswith("FAILED")]
+        times = {name: [] for name, _, _ in runnable}
+        for _ in range(args.rounds):
+            for name, cfg, kernel in runnable:
+                def call(cfg=cfg, kernel=kernel):
+                    with forced(kernel=kernel, config=cfg):
+                        launcher.launch(*launch_args(a, q_out, k_out, row_options(row)))
+                times[name] += cupti_call_times_us(call, flush, iters=args.iters)
+        med = sorted((statistics.median(t), name) for name, t in times.items())
+        print(f"#{row.label} {w.name} floor {bytes_moved(w) / bw * 1e6:.2f} µs, pick_config "
+              f"{pick}: " + "  ".join(f"({name})={t:.2f}{'' if ok[name] == 'ok' else ' WRONG'}"
+                                       for t, name in med)
+              + "".join(f"  ({name}) {ok[name]}" for name, _, _ in candidates
+                        if name not in times), flush=True)
+        log[row.label] = dict(pick=pick, correct=ok, times=times)
         del a, q_out, k_out
         torch.cuda.empty_cache()
+    if args.json and log:
+        with open(args.json, "w") as f:
+            json.dump(log, f)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from qkrope.ops import _launch, _native
 from qkrope.ops.qknorm_rope import launcher
 from qkrope.ops.qknorm_rope.kernel import qknorm_rope_kernel
 
+_TRITON_VERIFIED = _launch._triton_verified
 _FORMATS = {"p": "Q", "i": "i", "l": "q", "f": "f"}
 
 
@@ -100,6 +101,8 @@ def fake(monkeypatch):
     monkeypatch.setattr(_launch, "raw_stream", lambda index: 1234)
     monkeypatch.setattr(_launch, "current_device", lambda: -1)  # CPU get_device()
     monkeypatch.setattr(_launch, "_no_launch_hooks", lambda: True)
+    # The stand-in is what the route reads of a compiled kernel: any installed Triton will do.
+    monkeypatch.setattr(_launch, "_triton_verified", lambda: True)
     monkeypatch.setattr(launcher.LAUNCHER, "kernel", jit)
     monkeypatch.setattr(launcher.LAUNCHER, "plans", {})
     monkeypatch.setattr(torch.cuda, "device", lambda d: _Nothing())
@@ -240,6 +243,7 @@ def test_paged_signature_tracks_scales_and_options(fake):
 
 def test_unverified_triton_takes_tritons_launch_with_one_warning(fake, monkeypatch):
     jit, runs = fake
+    monkeypatch.setattr(_launch, "_triton_verified", _TRITON_VERIFIED)  # the real check
     monkeypatch.setattr(_launch.triton, "__version__", "9.9.0")
     monkeypatch.setattr(_launch, "_warned", set())
     args = make_inputs(Case(S=2))

@@ -127,17 +127,26 @@ class KernelLauncher:
 
     ``per_call``: the kernel parameters whose values change from call to call (tensor
     addresses, runtime scalars), in the order the fast path passes them; every other parameter
-    is fixed by the call's signature.
+    is fixed by the call's signature. ``written``: the pointer parameters the kernel stores
+    through; ``in_place``: (written, read) pairs that may be the very same view. A fast call
+    whose written tensors may share memory with any other argument (``_overlap.py``'s rules,
+    run natively) takes the checked path, which names the arguments.
     """
 
     MAX_PLANS = 4096
 
-    def __init__(self, kernel, per_call: Sequence[str]):
-        missing = set(per_call) - set(kernel.arg_names)
+    def __init__(self, kernel, per_call: Sequence[str], written: Sequence[str] = (),
+                 in_place: Sequence[tuple[str, str]] = ()):
+        missing = (set(per_call) - set(kernel.arg_names)) | (
+            {*written, *(n for pair in in_place for n in pair)} - set(per_call))
         if missing:
-            raise ValueError(f"not parameters of {kernel.fn.__name__}: {sorted(missing)}")
+            raise ValueError(f"not per-call parameters of {kernel.fn.__name__}: "
+                             f"{sorted(missing)}")
         self.kernel = kernel
         self.per_call = tuple(per_call)
+        index = self.per_call.index
+        self.rules = bytes([len(written), *map(index, written), len(in_place),
+                            *(index(n) for pair in in_place for n in pair)])
         self.plans: dict = {}
 
     def launch(self, grid: tuple, args: dict, meta: dict, device: torch.device):
@@ -155,7 +164,7 @@ class KernelLauncher:
         read = _native.signature_fn()
         if read is None:
             return None
-        packed = read(*tensors)
+        packed = read(self.rules, *tensors)
         if packed is None:
             return None
         return (options, packed[0]), packed[1]
@@ -173,7 +182,7 @@ class KernelLauncher:
         read = _native.signature_fn()
         if read is None or not self.plans:
             return None
-        packed = read(*inputs, query_out, key_out)
+        packed = read(self.rules, *inputs, query_out, key_out)
         if packed is None:
             return None
         try:

@@ -11,6 +11,8 @@
 
 #include <dlfcn.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -20,8 +22,147 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/object_ptr.h>
 
-static PyObject* qk_signature(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+namespace {
+
+// The memory-overlap rules of ../_overlap.py, on the fast path (the same results: tests compare
+// them). A view is (address, element size, sizes, strides).
+struct View {
+  uintptr_t ptr = 0;
+  int64_t elsize = 0;
+  at::IntArrayRef sizes, strides;
+  bool present = false;
+};
+
+bool empty(const View& v) {
+  for (int64_t n : v.sizes)
+    if (n == 0) return true;
+  return false;
+}
+
+void extent(const View& v, intptr_t* lo, intptr_t* hi) {
+  intptr_t a = static_cast<intptr_t>(v.ptr), b = a;
+  for (size_t d = 0; d < v.sizes.size(); ++d) {
+    const intptr_t step = (v.sizes[d] - 1) * v.strides[d] * v.elsize;
+    if (step < 0) a += step; else b += step;
+  }
+  *lo = a;
+  *hi = b + v.elsize;
+}
+
+bool self_overlaps(const View& v) {
+  int64_t dims[2][16];
+  size_t n = 0;
+  for (size_t d = 0; d < v.sizes.size() && n < 16; ++d)
+    if (v.sizes[d] > 1) { dims[0][n] = std::abs(v.strides[d]); dims[1][n++] = v.sizes[d]; }
+  if (v.sizes.size() > 16) return true;
+  for (size_t i = 1; i < n; ++i)  // insertion sort by stride: n <= 16
+    for (size_t j = i; j > 0 && dims[0][j - 1] > dims[0][j]; --j) {
+      std::swap(dims[0][j - 1], dims[0][j]);
+      std::swap(dims[1][j - 1], dims[1][j]);
+    }
+  int64_t span = 0;
+  for (size_t i = 0; i < n; ++i) {
+    if (dims[0][i] <= span) return true;
+    span += (dims[1][i] - 1) * dims[0][i];
+  }
+  return false;
+}
+
+struct Lattice {
+  int64_t s[16], lo[16], hi[16], reach[17];
+  size_t n = 0;
+  int budget = 4096;
+  // delta == sum j_k s_k with lo_k <= j_k <= hi_k? (true also when out of budget)
+  bool hit(size_t k, int64_t rest) {
+    if (--budget < 0) return true;
+    if (k == n) return rest == 0;
+    const int64_t r = reach[k + 1], st = s[k];
+    auto floordiv = [](int64_t a, int64_t b) { return a / b - ((a % b != 0) && ((a < 0) != (b < 0))); };
+    const int64_t first = std::max(lo[k], -floordiv(r - rest, st));
+    const int64_t last = std::min(hi[k], floordiv(rest + r, st));
+    for (int64_t j = first; j <= last; ++j)
+      if (hit(k + 1, rest - j * st)) return true;
+    return false;
+  }
+};
+
+bool may_overlap(const View& a, const View& b) {
+  if (empty(a) || empty(b)) return false;
+  intptr_t alo, ahi, blo, bhi;
+  extent(a, &alo, &ahi);
+  extent(b, &blo, &bhi);
+  if (alo >= bhi || blo >= ahi) return false;
+  const intptr_t diff = static_cast<intptr_t>(b.ptr) - static_cast<intptr_t>(a.ptr);
+  if (a.sizes.size() != b.sizes.size() || a.strides != b.strides || a.elsize != b.elsize ||
+      diff % a.elsize != 0 || a.sizes.size() > 16)
+    return true;
+  Lattice L;
+  for (size_t d = 0; d < a.sizes.size(); ++d) {
+    const int64_t st = a.strides[d], n = a.sizes[d], m = b.sizes[d];
+    if (st == 0 || (n == 1 && m == 1)) continue;
+    size_t i = L.n++;
+    L.s[i] = std::abs(st);
+    L.lo[i] = st > 0 ? -(m - 1) : -(n - 1);
+    L.hi[i] = st > 0 ? n - 1 : m - 1;
+    for (; i > 0 && L.s[i - 1] < L.s[i]; --i) {  // keep strides descending
+      std::swap(L.s[i - 1], L.s[i]);
+      std::swap(L.lo[i - 1], L.lo[i]);
+      std::swap(L.hi[i - 1], L.hi[i]);
+    }
+  }
+  L.reach[L.n] = 0;
+  for (size_t k = L.n; k-- > 0;) L.reach[k] = L.reach[k + 1] + L.s[k] * std::max(-L.lo[k], L.hi[k]);
+  return L.hit(0, diff / a.elsize);
+}
+
+bool identical(const View& a, const View& b) {
+  return a.ptr == b.ptr && a.elsize == b.elsize && a.sizes == b.sizes && a.strides == b.strides;
+}
+
+// rules: bytes [W, w_1..w_W, P, (w, r) x P]: argument indices written by the kernel, and pairs
+// (written, read) that may be the very same view. False: some written view may share memory
+// with another argument or with itself (the checked path then names them).
+bool disjoint(const char* rules, Py_ssize_t len, const View* views, Py_ssize_t n) {
+  if (len < 1) return true;
+  const int W = static_cast<unsigned char>(rules[0]);
+  if (len < 2 + W) return false;
+  const int P = static_cast<unsigned char>(rules[1 + W]);
+  if (len < 2 + W + 2 * P) return false;
+  auto pair_ok = [&](int w, int r) {
+    for (int p = 0; p < P; ++p) {
+      const int pw = static_cast<unsigned char>(rules[2 + W + 2 * p]);
+      const int pr = static_cast<unsigned char>(rules[3 + W + 2 * p]);
+      if ((pw == w && pr == r) || (pw == r && pr == w)) return true;
+    }
+    return false;
+  };
+  for (int i = 0; i < W; ++i) {
+    const int w = static_cast<unsigned char>(rules[1 + i]);
+    if (w >= n || !views[w].present) continue;
+    if (self_overlaps(views[w])) return false;
+    for (Py_ssize_t o = 0; o < n; ++o) {
+      if (o == w || !views[o].present) continue;
+      if (pair_ok(w, static_cast<int>(o)) && identical(views[w], views[o])) continue;
+      if (may_overlap(views[w], views[o])) return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+// signature(rules, *tensors): see the top of this file; rules as in disjoint(). None also when
+// a written tensor may overlap another (the checked path reports which).
+static PyObject* qk_signature(PyObject*, PyObject* const* all_args, Py_ssize_t all_n) {
   constexpr size_t CAP = 512;  // int64 words: 6 + 2 * ndim per tensor, far above 16 tensors
+  constexpr Py_ssize_t MAX_TENSORS = 32;
+  if (all_n < 1 || !PyBytes_Check(all_args[0]) || all_n - 1 > MAX_TENSORS) {
+    PyErr_SetString(PyExc_TypeError, "signature(rules: bytes, *tensors) (at most 32 tensors)");
+    return nullptr;
+  }
+  PyObject* const* args = all_args + 1;
+  const Py_ssize_t nargs = all_n - 1;
+  View views[MAX_TENSORS];
   int64_t buf[CAP];
   size_t n = 0;
   PyObject* addrs = PyList_New(nargs);
@@ -50,11 +191,16 @@ static PyObject* qk_signature(PyObject*, PyObject* const* args, Py_ssize_t nargs
       for (int64_t d = 0; d < nd; ++d) buf[n++] = strides[d];
       const auto p = reinterpret_cast<uintptr_t>(t.const_data_ptr());
       buf[n++] = (p % 16) == 0;
+      views[i] = View{p, static_cast<int64_t>(t.element_size()), sizes, strides, true};
       PyObject* a = PyLong_FromUnsignedLongLong(p);
       if (!a) { Py_DECREF(addrs); return nullptr; }
       PyList_SET_ITEM(addrs, i, a);
     }
   } catch (const std::exception&) {  // e.g. sparse or nested tensors: no strides
+    Py_DECREF(addrs);
+    Py_RETURN_NONE;
+  }
+  if (!disjoint(PyBytes_AS_STRING(all_args[0]), PyBytes_GET_SIZE(all_args[0]), views, nargs)) {
     Py_DECREF(addrs);
     Py_RETURN_NONE;
   }
@@ -361,9 +507,33 @@ static PyObject* qk_params(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return PyBytes_FromStringAndSize(out.data(), static_cast<Py_ssize_t>(out.size()));
 }
 
+// overlap_ok(rules, *tensors) -> bool: signature()'s overlap rule alone, for the tests.
+static PyObject* qk_overlap_ok(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  constexpr Py_ssize_t MAX_TENSORS = 32;
+  if (nargs < 1 || !PyBytes_Check(args[0]) || nargs - 1 > MAX_TENSORS) {
+    PyErr_SetString(PyExc_TypeError, "overlap_ok(rules: bytes, *tensors)");
+    return nullptr;
+  }
+  View views[MAX_TENSORS];
+  for (Py_ssize_t i = 1; i < nargs; ++i) {
+    if (args[i] == Py_None) continue;
+    if (!THPVariable_Check(args[i])) {
+      PyErr_SetString(PyExc_TypeError, "overlap_ok: tensors or None");
+      return nullptr;
+    }
+    const at::Tensor& t = THPVariable_Unpack(args[i]);
+    views[i - 1] = View{reinterpret_cast<uintptr_t>(t.const_data_ptr()),
+                        static_cast<int64_t>(t.element_size()), t.sizes(), t.strides(), true};
+  }
+  return PyBool_FromLong(disjoint(PyBytes_AS_STRING(args[0]), PyBytes_GET_SIZE(args[0]), views,
+                                  nargs - 1));
+}
+
 static PyMethodDef methods[] = {
     {"signature", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(qk_signature)),
-     METH_FASTCALL, "signature(*tensors) -> (bytes, list of addresses) | None"},
+     METH_FASTCALL, "signature(rules, *tensors) -> (bytes, list of addresses) | None"},
+    {"overlap_ok", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(qk_overlap_ok)),
+     METH_FASTCALL, "overlap_ok(rules, *tensors) -> bool (the signature's overlap rule alone)"},
     {"outputs", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(qk_outputs)),
      METH_FASTCALL, "outputs(query, key, query_out, key_out) -> (query_out, key_out, int, int)"},
     {"make_launch", qk_make_launch, METH_VARARGS,

@@ -198,26 +198,36 @@ def _rotate_dims(x, x_ptr, row_off, stride_d, mask, d, w, w_ptr, stride_w, rstd,
 
 
 @triton.jit
-def _norm_rope_tile(x_ptr, row_off, stride_d, mask, w_ptr, stride_w, pos_ptr, pos_off, t_mask,
-                    inv_freq_ptr, stride_inv_freq, stride_pos_r, eps, D: tl.constexpr,
-                    ROT: tl.constexpr, GPTJ: tl.constexpr, HF_NORM: tl.constexpr,
-                    W_OFFSET: tl.constexpr, COS_SIN_SCALE: tl.constexpr, MROPE: tl.constexpr,
-                    SEC_T: tl.constexpr, SEC_H: tl.constexpr, SEC_W: tl.constexpr,
-                    INTERPRETER: tl.constexpr):
-    """Normalised, rotated rows of a [BLOCK_H, BLOCK_T] tile as two DT halves [.., D/2].
+def _load_tile(x_ptr, row_off, stride_d, mask, w_ptr, stride_w, D: tl.constexpr,
+               W_OFFSET: tl.constexpr):
+    """Norm weights and rows of a [BLOCK_H, BLOCK_T] tile as fp32 halves [.., D/2].
 
-    row_off: [BLOCK_H, BLOCK_T, 1] int64 element offsets of the rows; pos_off: [BLOCK_T] int64
-    offsets of the tokens' positions. Every load is issued before the sin/cos work, so the
-    row, weight and position loads share one DRAM round trip (decode is latency-bound).
-    """
+    row_off: [BLOCK_H, BLOCK_T, 1] int64 element offsets of the rows. Callers issue every load
+    of a program (this, V, slots) before any math, so they share one DRAM round trip (decode is
+    latency-bound)."""
     HALF: tl.constexpr = D // 2
-    DT = x_ptr.dtype.element_ty
     d_lo = tl.arange(0, HALF)
     d_hi = d_lo + HALF
     w_lo = _load_weight(w_ptr, d_lo, stride_w, W_OFFSET)
     w_hi = _load_weight(w_ptr, d_hi, stride_w, W_OFFSET)
     x_lo, x_hi = _load_halves(x_ptr, row_off + d_lo.to(tl.int64)[None, None, :] * stride_d,
                               row_off + d_hi.to(tl.int64)[None, None, :] * stride_d, mask)
+    return w_lo, w_hi, x_lo, x_hi
+
+
+@triton.jit
+def _norm_rope_tile(x_lo, x_hi, w_lo, w_hi, x_ptr, row_off, stride_d, mask, w_ptr, stride_w,
+                    pos_ptr, pos_off, t_mask, inv_freq_ptr, stride_inv_freq, stride_pos_r, eps,
+                    D: tl.constexpr, ROT: tl.constexpr, GPTJ: tl.constexpr,
+                    HF_NORM: tl.constexpr, W_OFFSET: tl.constexpr,
+                    COS_SIN_SCALE: tl.constexpr, MROPE: tl.constexpr, SEC_T: tl.constexpr,
+                    SEC_H: tl.constexpr, SEC_W: tl.constexpr, INTERPRETER: tl.constexpr):
+    """Normalised, rotated halves (DT) of a tile loaded by :func:`_load_tile`; pos_off:
+    [BLOCK_T] int64 offsets of the tokens' positions."""
+    HALF: tl.constexpr = D // 2
+    DT = x_ptr.dtype.element_ty
+    d_lo = tl.arange(0, HALF)
+    d_hi = d_lo + HALF
     if not GPTJ and ROT == D:  # full NeoX rotary: one cos/sin per frequency, shared by halves
         angle = _angles(pos_ptr, pos_off, t_mask, d_lo, inv_freq_ptr, stride_inv_freq,
                         stride_pos_r, MROPE, SEC_T, SEC_H, SEC_W)
@@ -261,10 +271,14 @@ def _store_cache(cache_ptr, off, vals, mask, scale_ptr, h, Hkv, stride_scale,
         scale = tl.load(scale_ptr + h.to(tl.int64) * stride_scale, mask=h < Hkv, other=1.0)
         v = vals.to(tl.float32) / scale.to(tl.float32)
         clamped = tl.minimum(tl.maximum(v, -448.0), 448.0)
+        FP8 = cache_ptr.dtype.element_ty
         if INTERPRETER:
-            clamped = _round_e4m3(clamped)
-        v = tl.where(v != v, v, clamped)
-        tl.store(cache_ptr + off, v.to(cache_ptr.dtype.element_ty), mask=mask)
+            # The interpreter's cast turns NaN into 384: set NaN's bits (0x7F) directly.
+            bits = _round_e4m3(clamped).to(FP8).to(tl.uint8, bitcast=True)
+            stored = tl.where(v != v, 0x7F, bits).to(tl.uint8).to(FP8, bitcast=True)
+        else:
+            stored = tl.where(v != v, v, clamped).to(FP8)
+        tl.store(cache_ptr + off, stored, mask=mask)
     else:
         tl.store(cache_ptr + off, vals, mask=mask)
 
@@ -319,11 +333,13 @@ def qknorm_rope_kernel(
         hq = (pid_h * BLOCK_HQ + tl.arange(0, BLOCK_HQ))[:, None, None]
         q_mask = (hq < Hq) & (t3 < T)
         hq64 = hq.to(tl.int64)
+        q_row = b * stride_q_b + hq64 * stride_q_h + t3 * stride_q_t
+        qw_lo, qw_hi, qx_lo, qx_hi = _load_tile(q_ptr, q_row, stride_q_d, q_mask, q_w_ptr,
+                                                stride_q_w, D, W_OFFSET)
         q_lo, q_hi = _norm_rope_tile(
-            q_ptr, b * stride_q_b + hq64 * stride_q_h + t3 * stride_q_t, stride_q_d, q_mask,
-            q_w_ptr, stride_q_w, pos_ptr, pos_off, t_mask, inv_freq_ptr, stride_inv_freq,
-            stride_pos_r, eps, D, ROT, GPTJ, HF_NORM, W_OFFSET, COS_SIN_SCALE, MROPE, SEC_T,
-            SEC_H, SEC_W, INTERPRETER)
+            qx_lo, qx_hi, qw_lo, qw_hi, q_ptr, q_row, stride_q_d, q_mask, q_w_ptr, stride_q_w,
+            pos_ptr, pos_off, t_mask, inv_freq_ptr, stride_inv_freq, stride_pos_r, eps, D, ROT,
+            GPTJ, HF_NORM, W_OFFSET, COS_SIN_SCALE, MROPE, SEC_T, SEC_H, SEC_W, INTERPRETER)
         qo_row = b * stride_qo_b + hq64 * stride_qo_h + t3 * stride_qo_t
         tl.store(q_out_ptr + qo_row + d_lo * stride_qo_d, q_lo, mask=q_mask)
         tl.store(q_out_ptr + qo_row + d_hi * stride_qo_d, q_hi, mask=q_mask)
@@ -331,15 +347,17 @@ def qknorm_rope_kernel(
         hk = ((pid_h - n_q_blocks) * BLOCK_HKV + tl.arange(0, BLOCK_HKV))[:, None, None]
         k_mask = (hk < Hkv) & (t3 < T)
         hk64 = hk.to(tl.int64)
+        k_row = b * stride_k_b + hk64 * stride_k_h + t3 * stride_k_t
+        kw_lo, kw_hi, kx_lo, kx_hi = _load_tile(k_ptr, k_row, stride_k_d, k_mask, k_w_ptr,
+                                                stride_k_w, D, W_OFFSET)
         d_full = tl.arange(0, D).to(tl.int64)[None, None, :]
         v = tl.load(v_ptr + b * stride_v_b + hk64 * stride_v_h + t3 * stride_v_t
                     + d_full * stride_v_d, mask=k_mask, other=0.0)
         row = tl.load(slot_ptr + t64 * stride_slot, mask=t_mask, other=-1).to(tl.int64)
         k_lo, k_hi = _norm_rope_tile(
-            k_ptr, b * stride_k_b + hk64 * stride_k_h + t3 * stride_k_t, stride_k_d, k_mask,
-            k_w_ptr, stride_k_w, pos_ptr, pos_off, t_mask, inv_freq_ptr, stride_inv_freq,
-            stride_pos_r, eps, D, ROT, GPTJ, HF_NORM, W_OFFSET, COS_SIN_SCALE, MROPE, SEC_T,
-            SEC_H, SEC_W, INTERPRETER)
+            kx_lo, kx_hi, kw_lo, kw_hi, k_ptr, k_row, stride_k_d, k_mask, k_w_ptr, stride_k_w,
+            pos_ptr, pos_off, t_mask, inv_freq_ptr, stride_inv_freq, stride_pos_r, eps, D, ROT,
+            GPTJ, HF_NORM, W_OFFSET, COS_SIN_SCALE, MROPE, SEC_T, SEC_H, SEC_W, INTERPRETER)
         ko_row = b * stride_ko_b + hk64 * stride_ko_h + t3 * stride_ko_t
         tl.store(k_out_ptr + ko_row + d_lo * stride_ko_d, k_lo, mask=k_mask)
         tl.store(k_out_ptr + ko_row + d_hi * stride_ko_d, k_hi, mask=k_mask)

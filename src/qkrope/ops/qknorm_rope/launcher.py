@@ -13,6 +13,7 @@ import triton
 
 from ..._interpret import interpreting
 from .._launch import KernelLauncher
+from .._overlap import check_disjoint
 from .kernel import qknorm_rope_kernel
 
 __all__ = ["Options", "TileConfig", "HEAD_DIMS", "check_bhsd", "check_paged", "pick_config",
@@ -31,7 +32,9 @@ LAYOUTS = ("bhsd", "NHD", "HND")
 PER_CALL = ("q_ptr", "k_ptr", "v_ptr", "pos_ptr", "k_cache_ptr", "v_cache_ptr", "slot_ptr",
             "q_w_ptr", "k_w_ptr", "inv_freq_ptr", "k_scale_ptr", "v_scale_ptr",
             "q_out_ptr", "k_out_ptr", "eps")
-LAUNCHER = KernelLauncher(qknorm_rope_kernel, PER_CALL)
+LAUNCHER = KernelLauncher(qknorm_rope_kernel, PER_CALL,
+                          written=("k_cache_ptr", "v_cache_ptr", "q_out_ptr", "k_out_ptr"),
+                          in_place=(("q_out_ptr", "q_ptr"), ("k_out_ptr", "k_ptr")))
 
 
 class Options(NamedTuple):
@@ -180,10 +183,12 @@ def _check_common(query, key, value, key_cache, value_cache, q_norm_weight, k_no
         if x.device != device:
             raise ValueError(f"{name} is on {x.device} but query is on {device}: all inputs must "
                              "be on one device")
-    if device.type != "cuda" and not interpreting():
-        raise ValueError(f"the fused kernel needs CUDA tensors, got query on {device}; use "
-                         "qkrope.reference on CPU, or set TRITON_INTERPRET=1 before importing "
-                         "qkrope to run the kernel in Triton's interpreter")
+    if device.type != "cuda" and not (device.type == "cpu" and interpreting()):
+        hint = ("; use qkrope.reference on CPU, or set TRITON_INTERPRET=1 before importing "
+                "qkrope to run the kernel in Triton's interpreter" if device.type == "cpu"
+                else "")
+        raise ValueError(f"the fused kernel needs CUDA tensors (CPU tensors in Triton's "
+                         f"interpreter), got query on {device}{hint}")
     return opts
 
 
@@ -349,8 +354,18 @@ def launch(query, key, value, positions, key_cache, value_cache, slots, q_norm_w
            k_norm_weight, inv_freq, k_scale, v_scale, query_out, key_out, rms_norm_eps,
            opts: Options):
     """Launch the kernel on checked arguments (``opts`` canonical, scales as device tensors or
-    None); returns ``(compiled kernel or None, grid, args, meta)``."""
-    if opts.layout == "bhsd":
+    None); returns ``(compiled kernel or None, grid, args, meta)``. Refuses (``ValueError``)
+    outputs or caches that share memory with anything else of the call."""
+    bhsd = opts.layout == "bhsd"
+    check_disjoint(
+        dict(query_out=query_out, key_out=key_out, key_cache=key_cache, value_cache=value_cache),
+        {"query": query, "key": key, "value": value,
+         "position_ids" if bhsd else "positions": positions,
+         "cache_position" if bhsd else "slot_mapping": slots, "q_norm_weight": q_norm_weight,
+         "k_norm_weight": k_norm_weight, "inv_freq": inv_freq, "k_scale": k_scale,
+         "v_scale": v_scale},
+        identical_ok=(("query_out", "query"), ("key_out", "key")))
+    if bhsd:
         args, (B, T), bhtd = _bhsd_args(query, key_cache, value_cache, positions)
     else:
         args, (B, T), bhtd = _paged_args(opts.layout, key_cache, value_cache, positions)

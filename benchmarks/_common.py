@@ -1,0 +1,189 @@
+"""What the benchmark scripts share: the CUDA guard, row names, inputs, forced tile configs and
+patched kernel variants (experiments stay here, out of ``src/``).
+
+Rows: ``1``-``13`` are SPEC §2 suite workloads ([B, H, S, D], ``qkrope.run``), ``p1``-``p3``
+the paged workloads (token-major, NHD cache, ``qkrope.fused_qk_norm_rope_paged``), and
+``S:C:B`` a custom [B, H, S, D] workload (S new tokens at cache offset C, B sequences).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import sys
+import tempfile
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from qkrope.ops.qknorm_rope import launcher
+from qkrope.ops.qknorm_rope import kernel as kernel_module
+from qkrope.ops._launch import KernelLauncher
+from qkrope.suite import PAGED_SUITE, SUITE, Workload, make_inputs, make_paged_inputs
+
+
+def require_cuda(script: str) -> None:
+    """Exit with one line (status 1) where the script's GPU part cannot run."""
+    if not torch.cuda.is_available():
+        sys.exit(f"{script}: needs CUDA (a GPU and a CUDA build of torch); this machine has "
+                 f"none. See benchmarks/README.md for what runs without one.")
+
+
+class Row(NamedTuple):
+    label: str
+    workload: Workload
+    paged: bool
+
+
+def parse_rows(text: str) -> list[Row]:
+    """``"1,2,p1,128:0:4"`` -> rows (see the module docstring); raises ValueError naming the
+    bad item."""
+    rows = []
+    for item in (s.strip() for s in text.split(",") if s.strip()):
+        try:
+            if item.startswith("p"):
+                rows.append(Row(item, PAGED_SUITE[int(item[1:]) - 1], True))
+            elif ":" in item:
+                s, c, b = (int(x) for x in item.split(":"))
+                if s < 1 or c < 0 or b < 1:
+                    raise ValueError
+                rows.append(Row(item, Workload(s, c, b), False))
+            else:
+                n = int(item)
+                if n < 1:
+                    raise IndexError
+                rows.append(Row(item, SUITE[n - 1], False))
+        except (ValueError, IndexError):
+            raise ValueError(f"row {item!r}: want a suite number 1-{len(SUITE)}, p1-"
+                             f"p{len(PAGED_SUITE)} or S:C:B") from None
+    return rows
+
+
+def row_inputs(row: Row, device="cuda", generator=None, cache_capacity=None) -> tuple:
+    """The eleven public-API arguments of ``row`` (SPEC §2 construction)."""
+    make = make_paged_inputs if row.paged else make_inputs
+    return make(row.workload, device=device, generator=generator, cache_capacity=cache_capacity)
+
+
+def row_op(row: Row):
+    import qkrope
+
+    return qkrope.fused_qk_norm_rope_paged if row.paged else qkrope.run
+
+
+def row_options(row: Row, **fields) -> launcher.Options:
+    """The options a default public call of ``row`` launches with (``fields`` override)."""
+    return launcher.Options(layout="NHD" if row.paged else "bhsd")._replace(**fields)
+
+
+def launch_args(args: tuple, query_out, key_out, opts: launcher.Options,
+                k_scale=None, v_scale=None) -> tuple:
+    """``launcher.launch``'s positional arguments for public-API ``args`` (either layout)."""
+    return (*args[:10], k_scale, v_scale, query_out, key_out, args[10], opts)
+
+
+# --------------------------------------------------------------------------------------------
+# patched kernels and forced tiles
+# --------------------------------------------------------------------------------------------
+#: name -> (what it probes, [(text in kernel.py, replacement), ...]). Each text must occur
+#: exactly once, so a kernel change breaks a variant loudly instead of silently measuring the
+#: production kernel. Trig probes: docs/perf-notes.md runs 3, 4, 7 (the old TRIG=1/2 knobs).
+VARIANTS = {
+    "trig-hw": (
+        "hardware sin/cos approximations (libdevice fast_cosf/fast_sinf, MUFU) instead of the "
+        "accurate libdevice cos/sin: cost probe, wrong at large angles",
+        [("cos = libdevice.cos(angle)", "cos = libdevice.fast_cosf(angle)"),
+         ("sin = libdevice.sin(angle)", "sin = libdevice.fast_sinf(angle)")]),
+    "trig-const": (
+        "cos = 1, sin = 0 (no trig at all): what the trig costs; wrong results",
+        [("cos = libdevice.cos(angle)", "cos = angle * 0.0 + 1.0"),
+         ("sin = libdevice.sin(angle)", "sin = angle * 0.0")]),
+}
+
+
+def variant_source(name: str) -> str:
+    """kernel.py's text with variant ``name``'s substitutions applied."""
+    if name not in VARIANTS:
+        raise ValueError(f"unknown kernel variant {name!r}; known: {', '.join(VARIANTS)}")
+    src = Path(kernel_module.__file__).read_text()
+    for old, new in VARIANTS[name][1]:
+        count = src.count(old)
+        if count != 1:
+            raise RuntimeError(f"variant {name!r}: {old!r} occurs {count} times in "
+                               f"{kernel_module.__file__} (want 1): update VARIANTS")
+        src = src.replace(old, new)
+    return src
+
+
+def variant_kernel(name: str | None):
+    """The production ``qknorm_rope_kernel`` (``name`` None or "production"), or a fresh copy
+    of kernel.py with variant ``name`` applied. The copy is imported from a file, not exec'd
+    from a string: @triton.jit reads its function's source with ``inspect``."""
+    if name in (None, "production"):
+        return kernel_module.qknorm_rope_kernel
+    src = variant_source(name)
+    tag = hashlib.sha1(src.encode()).hexdigest()[:10]
+    module_name = f"qkrope_kernel_{name.replace('-', '_')}_{tag}"
+    if module_name in sys.modules:
+        return sys.modules[module_name].qknorm_rope_kernel
+    path = Path(tempfile.gettempdir()) / "qkrope-kernel-variants" / f"{module_name}.py"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    return module.qknorm_rope_kernel
+
+
+def parse_config(text: str) -> launcher.TileConfig:
+    """``"BLOCK_HQ,BLOCK_HKV,BLOCK_T,num_warps"`` -> TileConfig."""
+    try:
+        values = [int(x) for x in text.split(",")]
+        if len(values) != 4 or min(values) < 1 or any(v & (v - 1) for v in values):
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"config {text!r}: want four powers of two "
+                         "BLOCK_HQ,BLOCK_HKV,BLOCK_T,num_warps") from None
+    return launcher.TileConfig(*values)
+
+
+_launchers: dict = {}
+
+
+@contextlib.contextmanager
+def forced(kernel=None, config: launcher.TileConfig | None = None, num_sms: int | None = None,
+           capture: list | None = None):
+    """Inside: ``launcher.launch`` runs ``kernel`` (Triton's public launch) with tile
+    ``config`` instead of ``pick_config``'s, ``pick_config`` sees ``num_sms`` SMs, and with
+    ``capture`` nothing is launched: each launch appends ``(grid, args, meta)`` to it, and the
+    overlap check is skipped (capturing runs on meta tensors, which all sit at address 0).
+
+    Swaps module globals of ``launcher`` for the duration (scripts only; not thread-safe)."""
+    saved = {n: getattr(launcher, n) for n in ("LAUNCHER", "pick_config", "_num_sms",
+                                               "check_disjoint")}
+    pick = launcher.pick_config.__wrapped__  # uncached: the SM count may differ per call
+    if kernel is not None:
+        if kernel not in _launchers:
+            _launchers[kernel] = KernelLauncher(kernel, launcher.PER_CALL)
+        launcher.LAUNCHER = _launchers[kernel]
+    if capture is not None:
+        class Capture:
+            def launch(self, grid, args, meta, device):
+                capture.append((grid, args, meta))
+
+        launcher.LAUNCHER = Capture()
+        launcher.check_disjoint = lambda *a, **k: None
+    if num_sms is not None:
+        launcher._num_sms = lambda: num_sms
+    if config is not None:
+        launcher.pick_config = lambda *a: config
+    elif num_sms is not None:
+        launcher.pick_config = pick
+    try:
+        yield
+    finally:
+        for n, v in saved.items():
+            setattr(launcher, n, v)
