@@ -122,6 +122,8 @@ def test_help_is_self_contained(capsys):
     assert "for a batch of B sequences" in flat
     assert "Correctness rule:" in flat and "at least 99% of the elements" in flat
     assert "Timing protocol" in flat and "median of 50" in flat
+    assert "S over 32 becomes 32 + S mod 32, B over 8 becomes 8" in flat  # the CPU plan
+    assert "96/8 becomes 6/2" in flat
     assert all(f"{w.seq_len},{w.cache_len},{w.batch}" in text for w in SUITE)
     for command in ("bench", "info", "build-native"):
         assert command in text

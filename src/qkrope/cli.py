@@ -9,6 +9,7 @@ import os
 import platform
 import sys
 
+from .bench.runner import NATIVE_WAIT_S
 from .suite import (
     MODELS, PAGED_SUITE, REDUCED_MAX_BATCH, REDUCED_MAX_SEQ, SUITE, Workload, reduced_geometry,
 )
@@ -31,6 +32,7 @@ A workload is S,C,B: S new tokens per sequence (S = 1 is a decode step, larger S
 written after C tokens already in the KV cache (so the new tokens sit at positions C .. C+S-1),
 for a batch of B sequences. Each workload has its own absolute tolerance atol."""
 
+_S, _B = REDUCED_MAX_SEQ, REDUCED_MAX_BATCH
 _REDUCED_EXAMPLE = "96/8 becomes {0.num_q_heads}/{0.num_kv_heads}".format(
     reduced_geometry(MODELS["qwen3-coder-480b"]))
 
@@ -56,10 +58,10 @@ in a replayed CUDA graph, and the bandwidth floor: the bytes a call must move di
 device-to-device copy bandwidth measured in the same run.
 
 Without a CUDA GPU nothing is timed: qkrope's Triton kernel is checked through Triton's CPU
-interpreter, at reduced sizes, since the full suite takes hours there. Every workload keeps its
-shape class (its C, its atol, decode or prefill, S modulo 32), with S over {REDUCED_MAX_SEQ} cut to
-32 + S mod 32, B over {REDUCED_MAX_BATCH} cut to {REDUCED_MAX_BATCH}, and fewer heads ({_REDUCED_EXAMPLE}, head_dim kept). This
-takes a minute or two; --full checks the full sizes."""
+interpreter at reduced sizes, as the full suite takes hours there. Each workload keeps its shape
+class (its C and atol, decode or prefill, S modulo {_S}): S over {_S} becomes {_S} + S mod {_S}, B over
+{_B} becomes {_B}, and the heads shrink ({_REDUCED_EXAMPLE}; head_dim kept). This takes a minute or
+two; --full checks the full sizes."""
 
 BENCH_EPILOG = f"""\
 exit status: 0 when every qkrope check passes (a failing peer is only reported), 1 when a
@@ -165,10 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "weights, so a kernel that ignored them would fail)")
     b.add_argument("--seed", type=int, default=0, metavar="N",
                    help="seed of the random inputs (q, k, v, caches, norm weights; default 0)")
-    b.add_argument("--native-wait", type=_seconds, default=None, metavar="SECONDS",
+    b.add_argument("--native-wait", type=_seconds, default=NATIVE_WAIT_S, metavar="SECONDS",
                    help="on a GPU, how long to wait for the native launch helpers to finish "
-                        "building before timing (default 300; 0: don't wait); the route timed "
-                        "is printed. Never waits without a GPU")
+                        f"building before timing (default {NATIVE_WAIT_S:g}; 0: don't wait); "
+                        "the route timed is printed. Never waits without a GPU")
     b.add_argument("--json", metavar="PATH",
                    help="write every number and the environment to PATH (rewritten after every "
                         "workload, so an interrupted run keeps its partial results)")
@@ -234,10 +236,11 @@ def _check_requests(args, timed: bool) -> list[str]:
     else:
         impls = [s.strip() for s in args.impl.split(",") if s.strip()]
         unknown = [n for n in impls if n not in IMPLS]
-        if unknown or not impls:
+        if unknown:
             raise UsageError(f"--impl: unknown implementation {', '.join(map(repr, unknown))}; "
-                             f"choose from {', '.join(IMPLS)}" if unknown else
-                             "--impl: no implementation named")
+                             f"choose from {', '.join(IMPLS)}")
+        if not impls:
+            raise UsageError("--impl: no implementation named")
     if args.shape and args.sweep:
         raise UsageError("--shape and --sweep both choose the workloads: give one")
     if args.plot:
@@ -298,7 +301,6 @@ def _bench(args) -> int:
     from rich.console import Console
 
     from .bench import check_plan, render_markdown, run_benchmark, sweep_workloads, write_json
-    from .bench.runner import NATIVE_WAIT_S
 
     err = Console(stderr=True)
     timed = torch.cuda.is_available()
@@ -334,8 +336,7 @@ def _bench(args) -> int:
                 host_calls=args.host_calls, graphs=not args.no_graph,
                 benchmark_inputs=args.benchmark_inputs, cache_capacity=cache_len,
                 seed=args.seed, progress=bar, layout=args.layout, full_size=args.full,
-                native_wait_s=NATIVE_WAIT_S if args.native_wait is None else args.native_wait,
-                on_update=keep)
+                native_wait_s=args.native_wait, on_update=keep)
     except KeyboardInterrupt:
         where = (f"; partial results written to {written[0]}" if written else
                  f"; nothing written to {args.json} yet" if args.json else "")

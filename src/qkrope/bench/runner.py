@@ -23,8 +23,8 @@ import triton
 
 from .. import __version__
 from ..suite import (
-    DEFAULT_MODEL, SUITE, ModelGeometry, Workload, bytes_moved, check_outputs, reduced_geometry,
-    reduced_workload,
+    DEFAULT_MODEL, REDUCED_MAX_BATCH, REDUCED_MAX_SEQ, SUITE, ModelGeometry, Workload,
+    bytes_moved, check_outputs, reduced_geometry, reduced_workload,
 )
 from .impls import LAYOUTS, default_impls, peer_unavailable, resolve_impls, with_fresh_caches
 
@@ -162,10 +162,10 @@ class CheckPlan:
         """One sentence for the output: what a reduced plan changed."""
         if not self.reduced:
             return "full sizes"
-        g = self.geometry
+        g, S, B = self.geometry, REDUCED_MAX_SEQ, REDUCED_MAX_BATCH
         return (f"reduced sizes: {g.num_q_heads}/{g.num_kv_heads} heads instead of "
                 f"{model.num_q_heads}/{model.num_kv_heads} (head_dim {g.head_dim}, rope theta, "
-                "eps, dtype kept), S over 32 cut to 32 + S mod 32, B over 8 cut to 8 "
+                f"eps, dtype kept), S over {S} cut to {S} + S mod {S}, B over {B} cut to {B} "
                 "(C and atol kept); --full checks the full sizes (hours in the interpreter)")
 
 
@@ -470,7 +470,8 @@ def render_markdown(report: BenchReport, main: str | None = None) -> str:
         plan = report.settings.get("plan", "full sizes")
         lines.append("No CUDA device: checked the real Triton kernel through Triton's interpreter "
                      "against qkrope.reference (≥ 99% of the elements of each output within "
-                     f"atol + 5%, none NaN/Inf; cache length C+S), at {plan}. "
+                     "atol + 5%, none NaN/Inf"
+                     + ("; cache length C+S" if layout == "bhsd" else "") + f"), at {plan}. "
                      "Timing needs a CUDA GPU.")
         lines.append("")
         if main not in report.impls:
