@@ -183,3 +183,20 @@ def test_packed_entry_point_names_bad_head_counts(which, value):
     with pytest.raises(TypeError, match=which):
         qkrope.fused_qkv_norm_rope_paged(qkv, heads["num_q_heads"], heads["num_kv_heads"],
                                          *args[3:], **kw)
+
+
+def test_dtensor_weight_is_refused_by_name(tmp_path):
+    """Tensor parallelism may hand a weight over as a DTensor: named, never a crash in Triton."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0,
+                            world_size=1)
+    try:
+        args = list(make_inputs(Case(B=1, S=2)))
+        args[8] = DTensor.from_local(args[8].cpu(), init_device_mesh("cpu", (1,)), [Replicate()])
+        with pytest.raises(TypeError, match=r"k_norm_weight is a DTensor.*to_local"):
+            qkrope.run(*args)
+    finally:
+        dist.destroy_process_group()

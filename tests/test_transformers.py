@@ -1,5 +1,6 @@
-"""HF transformers Qwen3 drop-in: same greedy tokens and cache contents with and without the
-patch, on a small randomly initialised model (no downloads)."""
+"""HF transformers drop-in for the Qwen3 family: the same greedy tokens and the same cache
+contents, bit for bit, with and without the patch, on tiny randomly initialised models (no
+downloads); patch-time and call-time fallbacks that never raise."""
 
 import warnings
 
@@ -8,82 +9,426 @@ import torch
 from helpers import DEVICE
 
 transformers = pytest.importorskip("transformers")
-from transformers import Qwen3Config, Qwen3ForCausalLM, StaticCache  # noqa: E402
+from transformers import DynamicCache, StaticCache  # noqa: E402
 
-from qkrope.integrations.transformers import is_patched, patch_qwen3, unpatch_qwen3  # noqa: E402
+import qkrope.integrations.transformers as integ  # noqa: E402
+from qkrope.integrations.transformers import (  # noqa: E402
+    FallbackWarning, is_patched, patch, patch_qwen3, unpatch, unpatch_qwen3,
+)
+
+VOCAB = 128
+IMAGE, VIDEO, VISION_START, VISION_END = 100, 101, 102, 103
+TEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1, head_dim=64, rms_norm_eps=1e-6,
+            max_position_embeddings=256, tie_word_embeddings=False, initializer_range=0.2)
+# Gated-delta-net layers of Qwen3.5 / Qwen3-Next, as small as they go.
+LINEAR = dict(linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+              linear_num_value_heads=2, layer_types=["linear_attention", "full_attention"])
+# Qwen3.5 / Qwen3-Next rotary: partial_rotary_factor 0.25 of head_dim 64 -> 16 rotated dims, 8
+# frequencies; the (interleaved) mRoPE section covers them: W at 2, 5, H at 1, 4, 7, T elsewhere.
+PARTIAL_MROPE = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25,
+                 "mrope_section": [2, 3, 3], "mrope_interleaved": True}
+VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=2,
+              temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=64,
+              num_position_embeddings=16)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 
 
-def small_model(seed=0, **over):
-    torch.manual_seed(seed)
-    cfg = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-               max_position_embeddings=512, rope_theta=1e6, rms_norm_eps=1e-6,
-               tie_word_embeddings=False)
-    cfg.update(over)
-    model = Qwen3ForCausalLM(Qwen3Config(**cfg)).to(DEVICE, torch.bfloat16).eval()
-    with torch.no_grad():  # random norm weights, or a kernel ignoring them would pass
+def _randomize_norms(model, offset_norm: bool):
+    # Random q/k norm weights, or a kernel that ignored them (or the wrong offset) would pass.
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(("q_norm.weight", "k_norm.weight")):
-                p.copy_(1 + 0.5 * torch.randn_like(p))
-    return model
+                p.copy_((0.0 if offset_norm else 1.0) + 0.5 * torch.randn_like(p))
 
 
-def generate(model, ids, new_tokens, max_cache_len=64, disable_compile=True):
+def _prompt(batch):
+    # Left padding on the last sequence: per-sequence positions (cumsum of the mask).
+    mask = torch.ones(batch, 6, dtype=torch.long, device=DEVICE)
+    mask[1:, :2] = 0
+    return {"input_ids": torch.randint(0, IMAGE, (batch, 6), device=DEVICE),
+            "attention_mask": mask}
+
+
+def _image_prompt():
+    # One 4x4-patch image (2x2 merged tokens): its tokens get 3 differing position streams
+    # (temporal, height, width) and the text after it a rope delta.
+    ids = torch.tensor([[5, 6, VISION_START, IMAGE, IMAGE, IMAGE, IMAGE, VISION_END, 7, 8]],
+                       device=DEVICE)
+    return {"input_ids": ids, "mm_token_type_ids": (ids == IMAGE).long(),
+            "image_grid_thw": torch.tensor([[1, 4, 4]], device=DEVICE),
+            "pixel_values": torch.randn(16, 3 * 2 * 2 * 2, device=DEVICE).to(torch.bfloat16)}
+
+
+def _causal_lm(config_cls, model_cls, offset_norm=False, batch=2, **over):
+    def build():
+        model = model_cls(config_cls(**{**TEXT, **over}))
+        return model, offset_norm, _prompt(batch)
+    return build
+
+
+def _vision_lm(config_cls, model_cls, offset_norm=False, text=None, **vision):
+    def build():
+        cfg = config_cls(text_config={**TEXT, **(text or {})}, vision_config={**VISION, **vision},
+                         image_token_id=IMAGE, video_token_id=VIDEO,
+                         vision_start_token_id=VISION_START, vision_end_token_id=VISION_END)
+        return model_cls(cfg), offset_norm, _image_prompt()
+    return build
+
+
+def _families():
+    t = transformers
+    yarn = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+            "original_max_position_embeddings": 8}
+    # Rotary embeddings whose inv_freq changes with the positions seen (before the layers run).
+    dynamic = {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}
+    longrope = {"rope_type": "longrope", "rope_theta": 1e4, "original_max_position_embeddings": 8,
+                "short_factor": [1.0 + 0.1 * i for i in range(32)],
+                "long_factor": [2.0 + 0.2 * i for i in range(32)]}
+    vl_rope = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [12, 10, 10],
+               "mrope_interleaved": True}
+    return {
+        "qwen3": _causal_lm(t.Qwen3Config, t.Qwen3ForCausalLM),
+        "qwen3-yarn": _causal_lm(t.Qwen3Config, t.Qwen3ForCausalLM, rope_parameters=yarn),
+        "qwen3-dynamic": _causal_lm(t.Qwen3Config, t.Qwen3ForCausalLM, rope_parameters=dynamic,
+                                    max_position_embeddings=8),
+        "qwen3-longrope": _causal_lm(t.Qwen3Config, t.Qwen3ForCausalLM,
+                                     rope_parameters=longrope),
+        "qwen3-moe": _causal_lm(t.Qwen3MoeConfig, t.Qwen3MoeForCausalLM, batch=1, **MOE),
+        "qwen3-vl": _vision_lm(t.Qwen3VLConfig, t.Qwen3VLForConditionalGeneration,
+                               text={"rope_parameters": vl_rope},
+                               deepstack_visual_indexes=[0]),
+        "qwen3-vl-moe": _vision_lm(t.Qwen3VLMoeConfig, t.Qwen3VLMoeForConditionalGeneration,
+                                   text={"rope_parameters": vl_rope, **MOE},
+                                   deepstack_visual_indexes=[0]),
+        "qwen3.5": _causal_lm(t.Qwen3_5TextConfig, t.Qwen3_5ForCausalLM, offset_norm=True,
+                              rope_parameters=PARTIAL_MROPE, **LINEAR),
+        "qwen3.5-vl": _vision_lm(t.Qwen3_5Config, t.Qwen3_5ForConditionalGeneration,
+                                 offset_norm=True,
+                                 text={"rope_parameters": PARTIAL_MROPE, **LINEAR}),
+        "qwen3.5-moe": _causal_lm(t.Qwen3_5MoeTextConfig, t.Qwen3_5MoeForCausalLM,
+                                  offset_norm=True, batch=1, rope_parameters=PARTIAL_MROPE,
+                                  shared_expert_intermediate_size=32, **MOE, **LINEAR),
+        "qwen3-next": _causal_lm(t.Qwen3NextConfig, t.Qwen3NextForCausalLM, offset_norm=True,
+                                 batch=1, shared_expert_intermediate_size=32, **MOE, **LINEAR),
+    }
+
+
+FAMILIES = _families()
+
+
+def build(family, seed=0, dtype=torch.bfloat16):
+    torch.manual_seed(seed)
+    model, offset_norm, inputs = FAMILIES[family]()
+    model = model.to(DEVICE, dtype).eval()
+    _randomize_norms(model, offset_norm)
+    return model, inputs
+
+
+def generate(model, inputs, new_tokens=4, cache="static", disable_compile=True):
     # generate() compiles the decode step of a StaticCache model on GPUs by default; Inductor
     # then keeps the stock norm and rotary in fp32 between ops, which changes ~3% of the
     # stock model's own layer-0 keys (H200, transformers 5.17). The stock eager model is the
     # reference the patch must reproduce bit for bit.
-    cache = StaticCache(config=model.config, max_cache_len=max_cache_len)
-    out = model.generate(ids, past_key_values=cache, max_new_tokens=new_tokens, do_sample=False,
+    if hasattr(model.model, "rope_deltas"):
+        model.model.rope_deltas = None  # VL models keep the last prompt's mRoPE offsets
+    if cache == "static":
+        cache = StaticCache(config=model.config, max_cache_len=inputs["input_ids"].shape[1]
+                            + new_tokens + 2)
+    elif cache == "dynamic":
+        cache = DynamicCache(config=model.config)
+    out = model.generate(**inputs, cache=cache, max_new_tokens=new_tokens, do_sample=False,
                          min_new_tokens=new_tokens, disable_compile=disable_compile)
     return out, cache
 
 
-@pytest.mark.parametrize("batch", [1, 3])
-def test_patched_model_generates_the_same_tokens_and_cache(batch):
-    model = small_model()
-    ids = torch.randint(0, 512, (batch, 7), device=DEVICE, generator=None)
-    stock_tokens, stock_cache = generate(model, ids, 6)
-    assert patch_qwen3(model) == 2
+def cache_tensors(cache):
+    """Every tensor a cache holds (K/V rows, linear-attention states), by (layer, name)."""
+    out = {}
+    for i, layer in enumerate(cache.layers):
+        for name, x in vars(layer).items():
+            xs = x if isinstance(x, (list, tuple)) else [x]
+            for j, t in enumerate(xs):
+                if isinstance(t, torch.Tensor):
+                    out[(i, name, j)] = t
+    return out
+
+
+def assert_same_cache(cache, stock_cache):
+    got, want = cache_tensors(cache), cache_tensors(stock_cache)
+    assert got.keys() == want.keys() and any(k[1] == "keys" for k in want)
+    for k, t in want.items():
+        assert got[k].dtype == t.dtype and torch.equal(got[k], t), f"cache {k} differs"
+
+
+@pytest.fixture
+def op_calls(monkeypatch):
+    """Every call of the fused op from the integration: its positions and options."""
+    calls = []
+    real = integ.fused_rope_with_qk_norm_and_kv_cache_update
+
+    def spy(*args, **kwargs):
+        calls.append(dict(positions=args[3].clone(), cache_rows=args[4].shape[2], **kwargs))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(integ, "fused_rope_with_qk_norm_and_kv_cache_update", spy)
+    return calls
+
+
+@pytest.fixture(autouse=True)
+def fresh_call_warnings():
+    integ._warned.clear()  # call-time fallbacks warn once per process and reason
+    yield
+
+
+def full_attention_count(model):
+    return sum(type(m).__name__ in integ.SUPPORTED_ATTENTION for m in model.modules())
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_generates_the_same_tokens_and_cache(family, op_calls):
+    model, inputs = build(family)
+    stock_tokens, stock_cache = generate(model, inputs)
+    n_attn = full_attention_count(model)
+    assert patch(model) == n_attn >= 1
     with warnings.catch_warnings():
-        warnings.filterwarnings("error", message="qkrope")  # fused path taken, no fallback
-        tokens, cache = generate(model, ids, 6)
+        warnings.simplefilter("error", FallbackWarning)
+        tokens, cache = generate(model, inputs)
     assert torch.equal(tokens, stock_tokens)
-    for stock_layer, layer in zip(stock_cache.layers, cache.layers, strict=True):
-        assert torch.equal(layer.keys, stock_layer.keys)
-        assert torch.equal(layer.values, stock_layer.values)
-    assert unpatch_qwen3(model) == 2 and not any(is_patched(m) for m in model.modules())
+    assert_same_cache(cache, stock_cache)
+
+    # One launch per patched layer and forward (prefill + 3 decode steps), writing the cache.
+    assert len(op_calls) == 4 * n_attn and all(c["cache_rows"] > 1 for c in op_calls)
+    text = model.config.get_text_config(decoder=True)
+    rope = text.rope_parameters
+    rot = next(m for m in model.modules() if type(m).__name__ in integ._ROTARY)
+    first = op_calls[0]
+    assert first["cos_sin_scale"] == rot.attention_scaling
+    assert first["rotary_dim"] == int(text.head_dim * rope.get("partial_rotary_factor", 1.0))
+    if family in ("qwen3-yarn", "qwen3-longrope"):
+        assert rot.attention_scaling != 1.0
+    if family in ("qwen3-dynamic", "qwen3-longrope"):  # the generation went past the original
+        assert not torch.equal(rot.inv_freq, rot.original_inv_freq)
+    if inputs["input_ids"].shape[0] > 1:  # left padding: each sequence its own positions
+        pos = first["positions"]
+        assert pos.shape[-2] == 2 and not torch.equal(pos[..., 0, :], pos[..., 1, :])
+    if "vl" in family:  # the prompt's image tokens: 3 streams that really differ
+        pos = first["positions"]
+        assert pos.shape[0] == 3 and not torch.equal(pos[0], pos[1])
+        assert not torch.equal(pos[1], pos[2])
+    if "linear_attention" in (getattr(text, "layer_types", None) or ()):
+        linear = [m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
+        assert linear and not any("forward" in m.__dict__ for m in linear)
+
+    assert unpatch(model) == n_attn
+    assert not any(is_patched(m) or "forward" in m.__dict__ for m in model.modules())
+    again, _ = generate(model, inputs)
+    assert torch.equal(again, stock_tokens)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3.5"])
+def test_float16_models(family):
+    model, inputs = build(family, seed=1, dtype=torch.float16)
+    stock_tokens, stock_cache = generate(model, inputs)
+    assert patch(model) == full_attention_count(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)
+        tokens, cache = generate(model, inputs)
+    assert torch.equal(tokens, stock_tokens)
+    assert_same_cache(cache, stock_cache)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3.5"])
+def test_dynamic_cache_takes_the_op_without_its_cache_write(family, op_calls):
+    # generate()'s default cache: the op computes the rotated Q/K (its cache write skipped),
+    # the stock cache.update stores them.
+    model, inputs = build(family, seed=3)
+    stock_tokens, stock_cache = generate(model, inputs, cache="dynamic")
+    patch(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)
+        tokens, cache = generate(model, inputs, cache="dynamic")
+    assert torch.equal(tokens, stock_tokens)
+    assert_same_cache(cache, stock_cache)
+    assert op_calls and all(c["cache_rows"] == 1 for c in op_calls)
+
+
+def test_sliding_window_layers_through_the_stock_cache_update(op_calls):
+    torch.manual_seed(4)
+    cfg = transformers.Qwen3Config(**{**TEXT, "use_sliding_window": True, "sliding_window": 4,
+                                      "max_window_layers": 1})
+    model = transformers.Qwen3ForCausalLM(cfg).to(DEVICE, torch.bfloat16).eval()
+    _randomize_norms(model, False)
+    inputs = _prompt(2)
+    stock_tokens, stock_cache = generate(model, inputs, new_tokens=5)
+    assert [type(layer).__name__ for layer in stock_cache.layers] == [
+        "StaticLayer", "StaticSlidingWindowLayer"]
+    assert patch(model) == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)
+        tokens, cache = generate(model, inputs, new_tokens=5)
+    assert torch.equal(tokens, stock_tokens)
+    assert_same_cache(cache, stock_cache)
+    assert sorted({c["cache_rows"] > 1 for c in op_calls}) == [False, True]
+
+
+def _tiny_qwen3(seed=0, dtype=torch.bfloat16, **over):
+    torch.manual_seed(seed)
+    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**{**TEXT, **over}))
+    model = model.to(DEVICE, dtype).eval()
+    _randomize_norms(model, False)
+    return model
+
+
+@pytest.mark.parametrize("over, dtype, reason", [
+    ({"head_dim": 16}, torch.bfloat16, "head_dim 16"),
+    ({}, torch.float32, "float32 weights"),
+])
+def test_unsupported_layers_are_left_alone_with_one_warning(over, dtype, reason, op_calls):
+    model = _tiny_qwen3(seed=5, dtype=dtype, **over)
+    inputs = _prompt(1)
+    stock_tokens, stock_cache = generate(model, inputs)
+    with pytest.warns(FallbackWarning) as record:
+        assert patch(model) == 0
+    assert len(record) == 1 and reason in str(record[0].message)
+    assert "2 of 2 attention layers" in str(record[0].message)
+    assert not any(is_patched(m) or "forward" in m.__dict__ for m in model.modules())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)
+        tokens, cache = generate(model, inputs)
+    assert torch.equal(tokens, stock_tokens) and not op_calls
+    assert_same_cache(cache, stock_cache)
+
+
+def test_mixed_model_patches_only_the_layers_the_op_can_run(op_calls):
+    model = _tiny_qwen3(seed=6)
+    model.model.layers[1].self_attn.k_norm.variance_epsilon = 1e-5  # one eps for q and k only
+    inputs = _prompt(2)
+    stock_tokens, stock_cache = generate(model, inputs)
+    with pytest.warns(FallbackWarning, match="1 of 2 attention layers .* epsilons differ"):
+        assert patch(model) == 1
+    assert [is_patched(layer.self_attn) for layer in model.model.layers] == [True, False]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)
+        tokens, cache = generate(model, inputs)
+    assert torch.equal(tokens, stock_tokens)
+    assert_same_cache(cache, stock_cache)
+    assert len(op_calls) == 4  # layer 0 only, 4 forwards
+
+
+def test_call_time_rejection_falls_back_for_that_call():
+    # Patched in bf16, then converted to fp32: the op's own check rejects each call, and the
+    # stock forward runs it instead, with one warning.
+    model = _tiny_qwen3(seed=7)
+    assert patch(model) == 2
+    model.float()
+    inputs = _prompt(1)
+    with pytest.warns(FallbackWarning, match="the op rejected it: query must be"):
+        tokens, cache = generate(model, inputs)
+    unpatch(model)
+    stock_tokens, stock_cache = generate(model, inputs)
+    assert torch.equal(tokens, stock_tokens)
+    assert_same_cache(cache, stock_cache)
+
+
+def test_autograd_training_and_foreign_position_embeddings_fall_back():
+    model = _tiny_qwen3(seed=8)
+    ids = _prompt(1)["input_ids"]
+    stock = model(ids).logits
+    patch(model)
+    with pytest.warns(FallbackWarning, match="autograd is recording"):
+        logits = model(ids).logits  # grad enabled: the op has no backward
+    assert logits.grad_fn is not None and torch.equal(logits, stock)
+
+    model.train()
+    with torch.no_grad(), pytest.warns(FallbackWarning, match="training"):
+        model(ids)
+    model.eval()
+
+    # A layer called on its own, with position embeddings its model's rotary did not make.
+    attn = model.model.layers[0].self_attn
+    h = torch.randn(1, 3, TEXT["hidden_size"], device=DEVICE, dtype=torch.bfloat16)
+    cos = torch.ones(1, 3, 64, device=DEVICE, dtype=torch.bfloat16)
+    with torch.no_grad():
+        with pytest.warns(FallbackWarning, match="position_embeddings were not computed"):
+            out, _ = attn(h, (cos, torch.zeros_like(cos)), None)
+        unpatch(model)
+        want, _ = attn(h, (cos, torch.zeros_like(cos)), None)
+    assert torch.equal(out, want)
+
+
+def test_patch_is_idempotent_and_the_old_names_still_work():
+    model = _tiny_qwen3(seed=9)
+    assert patch_qwen3(model) == 2 and patch(model) == 2
+    rotary = model.model.rotary_emb
+    assert rotary.forward.__func__ is integ._rotary_forward
+    assert rotary._qkrope_stock_forward.__func__ is not integ._rotary_forward  # wrapped once
+    assert unpatch_qwen3(model) == 2 and unpatch(model) == 0
+    assert "forward" not in rotary.__dict__ and "_qkrope_state" not in rotary.__dict__
+
+
+def test_patch_rejects_models_without_qwen3_attention():
+    with pytest.raises(ValueError, match="no Qwen3-family attention"):
+        patch(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3-vl", "qwen3.5"])
+def test_patched_decode_step_compiles_into_one_graph(family):
+    # What generate() compiles on GPUs (a StaticCache decode step), traced here on any device:
+    # one graph for every step (fullgraph=True: no break, no recompile from the patch or the
+    # rotary's position hand-over), the op inside it once per patched layer, same bits as eager.
+    model, inputs = build(family, seed=10)
+    n_attn = patch(model)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def decode(forward):
+        if hasattr(model.model, "rope_deltas"):
+            model.model.rope_deltas = None
+        cache = StaticCache(config=model.config, max_cache_len=inputs["input_ids"].shape[1] + 4)
+        with torch.no_grad():
+            nxt = model(**inputs, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            steps = []
+            for i in range(3):
+                # generate()'s positions: text, and for VL models text + the prompt's rope delta
+                # in the 3 mRoPE streams.
+                pos = torch.full_like(nxt, inputs["input_ids"].shape[1] + i)
+                if getattr(model.model, "rope_deltas", None) is not None:
+                    vision = pos + model.model.rope_deltas
+                    pos = torch.stack([pos, vision, vision, vision])
+                nxt = forward(input_ids=nxt, cache=cache, position_ids=pos,
+                              use_cache=True).logits[:, -1:].argmax(-1)
+                steps.append(nxt)
+        return torch.cat(steps, 1), cache
+
+    eager_tokens, eager_cache = decode(model.forward)
+    torch._dynamo.reset()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FallbackWarning)
+            tokens, cache = decode(torch.compile(model.forward, backend=backend, fullgraph=True))
+    finally:
+        torch._dynamo.reset()
+    assert len(graphs) == 1
+    assert sum(n.target is torch.ops.qkrope.qknorm_rope for n in graphs[0].graph.nodes) == n_attn
+    assert torch.equal(tokens, eager_tokens)
+    assert_same_cache(cache, eager_cache)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="generate() compiles only on GPUs")
-def test_patched_model_under_generate_compile():
+@pytest.mark.parametrize("family", ["qwen3", "qwen3-vl"])
+def test_patched_model_under_generate_compile(family):
     # generate()'s default for a StaticCache on a GPU: the decode step is torch.compile'd and the
     # fused op goes through its registered custom op inside the compiled graph.
-    model = small_model(seed=2)
-    ids = torch.randint(0, 512, (2, 7), device=DEVICE)
-    stock_tokens, _ = generate(model, ids, 6)
-    patch_qwen3(model)
+    model, inputs = build(family, seed=2)
+    stock_tokens, _ = generate(model, inputs)
+    patch(model)
     with warnings.catch_warnings():
-        warnings.filterwarnings("error", message="qkrope")
-        tokens, _ = generate(model, ids, 6, disable_compile=False)
+        warnings.simplefilter("error", FallbackWarning)
+        tokens, _ = generate(model, inputs, disable_compile=False)
     assert torch.equal(tokens, stock_tokens)
-    unpatch_qwen3(model)
-
-
-def test_dynamic_cache_falls_back_with_a_warning():
-    model = small_model(seed=1)
-    ids = torch.randint(0, 512, (1, 5), device=DEVICE)
-    stock = model.generate(ids, max_new_tokens=3, do_sample=False)
-    patch_qwen3(model)
-    from qkrope.integrations import transformers as integ
-
-    integ._warned.clear()
-    with pytest.warns(UserWarning, match="not a StaticCache"):
-        out = model.generate(ids, max_new_tokens=3, do_sample=False)
-    assert torch.equal(out, stock)
-
-
-def test_patch_rejects_models_without_qwen3_attention():
-    with pytest.raises(ValueError, match="no Qwen3"):
-        patch_qwen3(torch.nn.Linear(2, 2))
+    unpatch(model)

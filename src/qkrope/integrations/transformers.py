@@ -1,150 +1,452 @@
-"""HF transformers integration: Qwen3 / Qwen3-MoE attention with the fused prologue.
+"""HF transformers integration: the Qwen3 family's attention prologue through qkrope.
 
-``patch_qwen3(model)`` replaces, in every ``Qwen3Attention`` / ``Qwen3MoeAttention`` of the model,
-the q_norm + k_norm + rotary + ``StaticCache`` update sequence by one qkrope launch;
-``unpatch_qwen3(model)`` restores the stock forward. Supported: transformers 5.x (tested on
-5.17 and 5.24). The fused path is taken when
+``patch(model)`` replaces, in every supported attention layer of ``model``, the q_norm + k_norm +
+rotary (+ ``StaticCache`` write) sequence by one qkrope launch; ``unpatch(model)`` restores the
+stock forwards. Supported attention classes (transformers 5.x; every family tested bit for bit
+against the stock eager model on 5.24 through Triton's interpreter):
 
-- the layer's cache is a plain ``StaticLayer`` (``cache_implementation="static"`` or a
-  ``StaticCache``), which holds [B, Hkv, max_cache_len, D] tensors written at a running
-  offset: exactly the op's cache layout;
-- the rotary embedding is unscaled (``attention_scaling == 1``; ``inv_freq`` is read from the
-  model's rotary module at every call, so dynamic RoPE updates are honoured);
-- the module is not training (the op has no backward).
+==========================================  ==================================================
+family (attention class)                    what the op is told
+==========================================  ==================================================
+Qwen3, Qwen3-MoE                            NeoX rotary, ``norm_rounding="hf"``
+Qwen3-VL, Qwen3-VL-MoE (text decoder)       + interleaved mRoPE over the 3 position streams
+Qwen3.5, Qwen3.5-MoE (full-attention        gated ``[q | gate]`` query (a strided view, the gate
+layers; linear-attention layers untouched)  stays here), ``(1 + w)`` fp32 norm, partial rotary,
+                                            interleaved mRoPE
+Qwen3-Next (full-attention layers)          gated query, ``(1 + w)`` fp32 norm, partial rotary
+==========================================  ==================================================
 
-Otherwise the call falls back to the stock forward with a warning (once per reason). The op runs
-with ``norm_rounding="hf"``, the rounding of ``Qwen3RMSNorm``: a patched model's tokens and
-cache contents equal the stock eager model's bit for bit (tested on CPU and on an H200). Under
-``torch.compile`` (which ``generate()`` applies to a StaticCache decode step on GPUs) the op runs
-as the registered custom op with the same bits, while Inductor computes the *stock* norm and
-rotary in fp32 without the eager roundings: the stock compiled model itself then differs from
-the stock eager one in ~3% of its keys.
+Every rope type of the model's rotary embedding (default, YaRN, LongRoPE, dynamic, llama3, ...)
+is honoured: ``inv_freq`` is read from the rotary module at every call (after its dynamic
+update) and its ``attention_scaling`` becomes the op's ``cos_sin_scale``. The op's rounding
+points are chosen per family to match the stock eager modeling code, so a patched model's
+tokens and cache contents equal the stock eager model's bit for bit.
+
+Checks happen at patch time: a layer is patched only if the op can run it (head_dim in
+{64, 128, 256, 512}, bf16/fp16 weights on a CUDA device or under Triton's interpreter, the
+family's own RMSNorm on q and k with one epsilon, a rotary width the family allows, ...);
+every other layer keeps its stock forward and ``patch`` warns once per reason
+(:class:`FallbackWarning`). At call time a patched layer falls back to its stock forward, with
+a one-time warning per reason, when it is training or autograd is recording (the op has no
+backward), when its ``position_embeddings`` were not computed by the model's rotary embedding
+in this forward, or when the op rejects the call; it never raises on the op's behalf.
+
+Caches: with a ``StaticCache`` of plain ``StaticLayer`` s (``cache_implementation="static"``),
+which holds [B, Hkv, max_cache_len, D] tensors written at a running offset (exactly the op's
+layout), the op writes the new K/V rows itself (``StaticLayer.update``'s bookkeeping is kept).
+With any other cache (``DynamicCache``, sliding-window layers, offloading, quantized caches) or
+none, the op computes the normalised and rotated Q and K without a cache write and the stock
+``cache.update`` stores them, as the stock forward does.
+
+Positions: the attention layers of Qwen3-VL and Qwen3.5 do not receive the mRoPE position
+streams (only the text positions), so ``patch`` wraps the model's text rotary embedding to
+keep the positions it was called with in this forward; the patched layers read them from there.
+
+Under ``torch.compile`` (which ``generate()`` applies to a StaticCache decode step on GPUs)
+the op runs as the registered custom op with the same bits, while Inductor computes the *stock*
+norm and rotary in fp32 without the eager roundings: the stock compiled model itself then
+differs from the stock eager one in ~3% of its keys.
 """
 
 from __future__ import annotations
 
+import inspect
+import math
+import numbers
 import sys
 import types
 import warnings
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
+from transformers.cache_utils import StaticLayer
 
+from .._interpret import interpreting
 from ..ops.qknorm_rope import fused_rope_with_qk_norm_and_kv_cache_update
+from ..ops.qknorm_rope.launcher import ACTIVATION_DTYPES, HEAD_DIMS
 
-__all__ = ["patch_qwen3", "unpatch_qwen3", "is_patched"]
+__all__ = ["patch", "unpatch", "is_patched", "patch_qwen3", "unpatch_qwen3", "FallbackWarning",
+           "SUPPORTED_ATTENTION"]
 
-_ATTENTION_CLASSES = ("Qwen3Attention", "Qwen3MoeAttention")
-_ROTARY_CLASSES = ("Qwen3RotaryEmbedding", "Qwen3MoeRotaryEmbedding")
+
+class FallbackWarning(UserWarning):
+    """A layer (or one call of it) runs the stock transformers forward instead of qkrope's."""
+
+
+class _Family(NamedTuple):
+    gated: bool           # q_proj gives [q | gate] per head; the output is scaled by sigmoid(gate)
+    norm_classes: tuple   # the family's RMSNorm classes, by name
+    offset_norm: bool     # (1 + w) in fp32, one rounding; else Qwen3RMSNorm's round-then-weight
+    partial_rotary: bool  # the rotary may cover fewer dims than head_dim
+
+
+_QWEN3_NORMS = ("Qwen3RMSNorm", "Qwen3MoeRMSNorm", "Qwen3VLTextRMSNorm", "Qwen3VLMoeTextRMSNorm")
+_OFFSET_NORMS = ("Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm", "Qwen3NextRMSNorm")
+_PLAIN = _Family(gated=False, norm_classes=_QWEN3_NORMS, offset_norm=False, partial_rotary=False)
+_GATED = _Family(gated=True, norm_classes=_OFFSET_NORMS, offset_norm=True, partial_rotary=True)
+
+#: Attention classes ``patch`` knows, by class name (transformers' modeling files).
+SUPPORTED_ATTENTION = {
+    "Qwen3Attention": _PLAIN,
+    "Qwen3MoeAttention": _PLAIN,
+    "Qwen3VLTextAttention": _PLAIN,
+    "Qwen3VLMoeTextAttention": _PLAIN,
+    "Qwen3_5Attention": _GATED,
+    "Qwen3_5MoeAttention": _GATED,
+    "Qwen3NextAttention": _GATED,
+}
+# Text rotary embeddings -> whether they are interleaved mRoPE (recomposition_frequencies:
+# T everywhere, H at 1, 4, ... < 3 * section[1], W at 2, 5, ... < 3 * section[2]).
+_ROTARY = {
+    "Qwen3RotaryEmbedding": False,
+    "Qwen3MoeRotaryEmbedding": False,
+    "Qwen3NextRotaryEmbedding": False,
+    "Qwen3VLTextRotaryEmbedding": True,
+    "Qwen3VLMoeTextRotaryEmbedding": True,
+    "Qwen3_5TextRotaryEmbedding": True,
+    "Qwen3_5MoeTextRotaryEmbedding": True,
+}
+
+
+class _Plan(NamedTuple):
+    """Everything a patched layer needs that is fixed at patch time."""
+
+    rotary: torch.nn.Module
+    positions: dict              # the rotary's state: this forward's "positions" (and "cos")
+    gated: bool
+    norm_rounding: str
+    norm_weight_offset: float
+    mrope_section: tuple | None  # (T, H, W) frequency counts, interleaved
+    eps: float
+    cache_kwarg: str             # "cache" (5.24) or "past_key_values" (earlier 5.x)
+    attention_functions: object  # the modeling file's ALL_ATTENTION_FUNCTIONS
+    eager_attention: Callable
+    params: tuple                # the layer's parameters (autograd check)
+    stock_forward: Callable
+
+
 _warned: set[str] = set()
 
 
-def _warn_once(reason: str) -> None:
+def _warn_call_once(reason: str) -> None:
     if reason not in _warned:
         _warned.add(reason)
-        warnings.warn(f"qkrope: using the stock Qwen3 attention forward: {reason}", stacklevel=3)
+        warnings.warn(f"qkrope: a patched attention layer ran its stock forward for a call: "
+                      f"{reason} (warned once)", FallbackWarning, stacklevel=4)
 
 
-def _fallback_reason(module, cache, position_ids) -> str | None:
-    from transformers.cache_utils import StaticLayer
-
-    if module.training:
-        return "the module is training (qkrope's op has no backward)"
-    if cache is None:
-        return "no cache was passed (use cache_implementation='static' or a StaticCache)"
-    layers = getattr(cache, "layers", None)
-    if layers is None or type(layers[module.layer_idx]) is not StaticLayer:
-        return f"{type(cache).__name__} is not a StaticCache of plain StaticLayers"
-    if position_ids is None:
-        return "position_ids were not passed to the attention module"
-    if module._qkrope_rotary.attention_scaling != 1.0:
-        return "the rotary embedding is scaled (attention_scaling != 1)"
-    return None
+# --------------------------------------------------------------------------------------------
+# patch time
+# --------------------------------------------------------------------------------------------
+def _norm_eps(norm) -> float | None:
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not math.isfinite(eps) \
+            or eps < 0:
+        return None
+    return float(eps)
 
 
-def _fused_forward(self, hidden_states, position_embeddings, attention_mask,
-                   past_key_values=None, cache=None, **kwargs):
-    """Drop-in for ``Qwen3Attention.forward`` (both the 5.17 ``past_key_values`` and the 5.24
-    ``cache`` keyword are accepted)."""
-    cache = cache if cache is not None else past_key_values
-    position_ids = kwargs.get("position_ids")
-    reason = _fallback_reason(self, cache, position_ids)
-    if reason is not None:
-        _warn_once(reason)
-        cache_kw = self._qkrope_cache_kwarg
-        return self._qkrope_stock_forward(hidden_states, position_embeddings, attention_mask,
-                                          **{cache_kw: cache}, **kwargs)
+def _layer_options(m, family: _Family, rotary) -> tuple[str | None, dict]:
+    """``(reason, {})`` if the op cannot run layer ``m``, else ``(None, plan fields)``."""
+    if rotary is None:
+        return "no text rotary embedding found beside its decoder layers", {}
+    D = m.head_dim
+    if D not in HEAD_DIMS:
+        return f"head_dim {D} (the op takes {', '.join(map(str, HEAD_DIMS))})", {}
+    tensors = (m.q_proj.weight, m.k_proj.weight, m.v_proj.weight, m.q_norm.weight,
+               m.k_norm.weight)
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) != 1:
+        return ("q/k/v projection and q/k norm weights differ in dtype ("
+                f"{', '.join(sorted(str(d).removeprefix('torch.') for d in dtypes))})"), {}
+    dtype = dtypes.pop()
+    if dtype not in ACTIVATION_DTYPES:
+        return (f"{str(dtype).removeprefix('torch.')} weights (the op takes bfloat16 or "
+                "float16)"), {}
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        return "the layer's weights are on several devices", {}
+    device = devices.pop()
+    if device.type != "cuda" and not interpreting():
+        return (f"weights on {device} (the kernel needs CUDA, or TRITON_INTERPRET=1 set before "
+                "importing qkrope)"), {}
+    for name in ("q_norm", "k_norm"):
+        cls = type(getattr(m, name)).__name__
+        if cls not in family.norm_classes:
+            return (f"{name} is a {cls}, not the family's RMSNorm "
+                    f"({' / '.join(family.norm_classes)})"), {}
+    eps, k_eps = _norm_eps(m.q_norm), _norm_eps(m.k_norm)
+    if eps is None or eps != k_eps:
+        return "q_norm and k_norm epsilons differ or are not finite floats >= 0", {}
+    half = rotary.inv_freq.numel()
+    if rotary.inv_freq.dim() != 1 or not 1 <= half <= D // 2 or (
+            not family.partial_rotary and 2 * half != D):
+        return f"the rotary embedding covers {2 * half} of head_dim {D} dims", {}
+    scale = rotary.attention_scaling
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not (
+            math.isfinite(scale) and scale > 0):
+        return f"the rotary embedding's attention_scaling is {scale!r}", {}
+    section = None
+    if _ROTARY[type(rotary).__name__]:
+        sec = tuple(rotary.mrope_section)
+        if len(sec) != 3 or any(isinstance(s, bool) or not isinstance(s, int) or s < 0
+                                for s in sec) or sec[1] + sec[2] > half:
+            return f"mrope_section {sec!r} does not fit {half} rotary frequencies", {}
+        # Interleaved: the T stream holds every frequency H and W do not take, whatever sec[0].
+        section = (half - sec[1] - sec[2], sec[1], sec[2])
+    q_out = m.q_proj.out_features // (2 if family.gated else 1)
+    Hq, Hkv = q_out // D, m.k_proj.out_features // D
+    if Hq * D != q_out or Hkv * D != m.k_proj.out_features or Hkv < 1 or Hq % Hkv:
+        return f"projection widths {m.q_proj.out_features}/{m.k_proj.out_features} do not " \
+               f"give whole head groups of head_dim {D}", {}
+    return None, dict(gated=family.gated,
+                      norm_rounding="weight_fp32" if family.offset_norm else "hf",
+                      norm_weight_offset=1.0 if family.offset_norm else 0.0,
+                      mrope_section=section, eps=eps)
 
-    input_shape = hidden_states.shape[:-1]
-    hidden_shape = (*input_shape, -1, self.head_dim)
-    query = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-    key = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-    value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
 
-    layer = cache.layers[self.layer_idx]
-    if not layer.is_initialized:
-        layer.lazy_initialization(key, value)
-    # StaticLayer.update's own bookkeeping: rows at a running device-side offset.
-    seq_len = key.shape[2]
-    rows = torch.arange(seq_len, device=key.device) + layer.cumulative_length
-    layer.cumulative_length.add_(seq_len)
-
-    # HF upcasts inv_freq to fp32 in the rotary module (model.to(bf16) casts the buffer).
-    inv_freq = self._qkrope_rotary.inv_freq
-    if inv_freq.dtype != torch.float32:
-        inv_freq = inv_freq.float()
-    query, _, keys, values = fused_rope_with_qk_norm_and_kv_cache_update(
-        query, key, value, position_ids, layer.keys, layer.values, rows,
-        self.q_norm.weight, self.k_norm.weight, inv_freq,
-        float(self.q_norm.variance_epsilon), norm_rounding="hf")
-
-    hf = sys.modules[type(self).__module__]  # the model file's own attention registry
-    attention_interface = hf.ALL_ATTENTION_FUNCTIONS.get_interface(
-        self.config._attn_implementation, hf.eager_attention_forward)
-    attn_output, attn_weights = attention_interface(
-        self, query, keys, values, attention_mask, dropout=0.0, scaling=self.scaling,
-        sliding_window=self.sliding_window, **kwargs)
-    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-    return self.o_proj(attn_output), attn_weights
+def _text_rotaries(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """id(attention module) -> the text rotary embedding of the model that owns its layer."""
+    owner = {}
+    for parent in model.modules():
+        rotary, layers = getattr(parent, "rotary_emb", None), getattr(parent, "layers", None)
+        if type(rotary).__name__ in _ROTARY and isinstance(layers, torch.nn.Module):
+            for m in layers.modules():
+                if type(m).__name__ in SUPPORTED_ATTENTION:
+                    owner[id(m)] = rotary
+    return owner
 
 
-def patch_qwen3(model: torch.nn.Module) -> int:
-    """Route every Qwen3 / Qwen3-MoE attention layer of ``model`` through qkrope.
+def _rotary_forward(self, x, position_ids, *args, **kwargs):
+    """The text rotary embedding's forward, keeping this forward's positions for the patched
+    layers (eager: also the cos it returned, so a layer can tell it got this call's)."""
+    cos, sin = self._qkrope_stock_forward(x, position_ids, *args, **kwargs)
+    state = self._qkrope_state
+    state["positions"] = position_ids
+    # Under torch.compile the cos would become an extra graph output: kept in eager only.
+    state["cos"] = None if torch.compiler.is_compiling() else cos
+    return cos, sin
 
-    Returns the number of attention modules patched. Idempotent; undo with
-    :func:`unpatch_qwen3`. Raises ``ValueError`` if the model has no such layer, or a layer's
-    q_norm and k_norm epsilons differ.
+
+def _hook_rotary(rotary: torch.nn.Module) -> dict:
+    if "_qkrope_state" not in rotary.__dict__:
+        rotary._qkrope_previous_forward = rotary.__dict__.get("forward")
+        rotary._qkrope_stock_forward = rotary.forward
+        rotary._qkrope_state = {}
+        rotary.forward = types.MethodType(_rotary_forward, rotary)
+    return rotary._qkrope_state
+
+
+def patch(model: torch.nn.Module) -> int:
+    """Route every supported attention layer of ``model`` through qkrope's fused prologue.
+
+    Patch after moving the model to its device and dtype: layers the op cannot run (see the
+    module docstring) keep their stock forward, with one :class:`FallbackWarning` per reason.
+    Idempotent; undo with :func:`unpatch`.
+
+    Returns:
+        The number of attention layers that run the fused prologue after the call.
+
+    Raises:
+        ValueError: ``model`` holds no attention layer of a supported family.
     """
-    import inspect
-
-    rotary = next((m for m in model.modules() if type(m).__name__ in _ROTARY_CLASSES), None)
-    attention = [m for m in model.modules() if type(m).__name__ in _ATTENTION_CLASSES]
-    if rotary is None or not attention:
-        raise ValueError("patch_qwen3: no Qwen3/Qwen3-MoE attention layers or rotary embedding "
-                         f"found in {type(model).__name__}")
+    attention = [m for m in model.modules() if type(m).__name__ in SUPPORTED_ATTENTION]
+    if not attention:
+        raise ValueError(f"qkrope.patch: no Qwen3-family attention layer in "
+                         f"{type(model).__name__} (supported: "
+                         f"{', '.join(SUPPORTED_ATTENTION)})")
+    rotaries = _text_rotaries(model)
+    skipped: dict[str, int] = {}
+    patched = 0
     for m in attention:
-        if m.q_norm.variance_epsilon != m.k_norm.variance_epsilon:
-            raise ValueError("patch_qwen3: q_norm and k_norm epsilons differ in layer "
-                             f"{m.layer_idx}; the fused op takes one epsilon")
         if is_patched(m):
+            patched += 1
             continue
-        stock = m.forward
+        rotary = rotaries.get(id(m))
+        reason, options = _layer_options(m, SUPPORTED_ATTENTION[type(m).__name__], rotary)
+        if reason is not None:
+            skipped[reason] = skipped.get(reason, 0) + 1
+            continue
+        hf = sys.modules[type(m).__module__]  # the modeling file's own attention registry
         params = inspect.signature(type(m).forward).parameters
-        m._qkrope_cache_kwarg = "cache" if "cache" in params else "past_key_values"
-        m._qkrope_stock_forward = stock
-        m._qkrope_rotary = rotary
+        m._qkrope_previous_forward = m.__dict__.get("forward")
+        m._qkrope_plan = _Plan(
+            rotary=rotary, positions=_hook_rotary(rotary), **options,
+            cache_kwarg="cache" if "cache" in params else "past_key_values",
+            attention_functions=hf.ALL_ATTENTION_FUNCTIONS,
+            eager_attention=hf.eager_attention_forward, params=tuple(m.parameters()),
+            stock_forward=m.forward)
         m.forward = types.MethodType(_fused_forward, m)
-    return len(attention)
+        patched += 1
+    for reason, n in skipped.items():
+        warnings.warn(f"qkrope.patch: {n} of {len(attention)} attention layers keep the stock "
+                      f"forward: {reason}", FallbackWarning, stacklevel=2)
+    return patched
 
 
-def unpatch_qwen3(model: torch.nn.Module) -> int:
-    """Restore the stock forward of every patched attention module; returns how many."""
+def unpatch(model: torch.nn.Module) -> int:
+    """Restore the stock forward of every patched attention layer (and the rotary embeddings
+    ``patch`` wrapped); returns the number of attention layers restored."""
     n = 0
     for m in model.modules():
         if is_patched(m):
-            del m.forward, m._qkrope_stock_forward, m._qkrope_rotary, m._qkrope_cache_kwarg
+            _restore_forward(m)
+            del m._qkrope_plan
             n += 1
+        if "_qkrope_state" in m.__dict__:
+            _restore_forward(m)
+            del m._qkrope_state, m._qkrope_stock_forward
     return n
 
 
+def _restore_forward(m: torch.nn.Module) -> None:
+    previous = m.__dict__.pop("_qkrope_previous_forward")
+    if previous is None:
+        del m.forward           # the class's forward again
+    else:
+        m.forward = previous    # e.g. an accelerate hook that was there before patch
+
+
 def is_patched(module: torch.nn.Module) -> bool:
-    return "_qkrope_stock_forward" in module.__dict__
+    """Whether ``module`` is an attention layer that :func:`patch` routed through qkrope."""
+    return "_qkrope_plan" in module.__dict__
+
+
+def patch_qwen3(model: torch.nn.Module) -> int:
+    """Former name of :func:`patch` (it now covers the whole Qwen3 family)."""
+    return patch(model)
+
+
+def unpatch_qwen3(model: torch.nn.Module) -> int:
+    """Former name of :func:`unpatch`."""
+    return unpatch(model)
+
+
+# --------------------------------------------------------------------------------------------
+# call time
+# --------------------------------------------------------------------------------------------
+def _call_reason(self, plan: _Plan, position_embeddings) -> str | None:
+    """Why this call must take the stock forward (cheap checks, no device sync), or None."""
+    if self.training:
+        return "the module is training (the op has no backward, and no dropout)"
+    if torch.is_grad_enabled() and any(p.requires_grad for p in plan.params):
+        return "autograd is recording (the op has no backward; use torch.no_grad())"
+    state = plan.positions
+    if "positions" not in state:
+        return "the model's rotary embedding has not run (no positions for this forward)"
+    if not torch.compiler.is_compiling() and (
+            position_embeddings is None or position_embeddings[0] is not state["cos"]):
+        return ("position_embeddings were not computed by the model's rotary embedding in this "
+                "forward")
+    return None
+
+
+def _fused_forward(self, hidden_states, position_embeddings=None, attention_mask=None,
+                   cache=None, past_key_values=None, **kwargs):
+    """Drop-in for the family's attention forward (the 5.24 ``cache`` and the older
+    ``past_key_values`` keyword are both accepted)."""
+    plan = self._qkrope_plan
+    cache = cache if cache is not None else past_key_values
+    reason = _call_reason(self, plan, position_embeddings)
+    if reason is not None:
+        return _stock(self, plan, reason, hidden_states, position_embeddings, attention_mask,
+                      cache, kwargs)
+
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+    gate = None
+    if plan.gated:
+        # [q | gate] per head: the query is a strided half of each 2 D row, read in place.
+        query, gate = torch.chunk(
+            self.q_proj(hidden_states).view(*input_shape, -1, self.head_dim * 2), 2, dim=-1)
+        gate = gate.reshape(*input_shape, -1)
+    else:
+        query = self.q_proj(hidden_states).view(hidden_shape)
+    query = query.transpose(1, 2)
+    key = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+
+    try:
+        query, key, keys, values = _prologue(self, plan, query, key, value, cache)
+    except (TypeError, ValueError) as err:  # the op's checks: nothing was written
+        return _stock(self, plan, f"the op rejected it: {err}", hidden_states,
+                      position_embeddings, attention_mask, cache, kwargs)
+    if keys is None:  # not a plain StaticLayer: the stock cache update stores the rotated rows
+        keys, values = key, value
+        if cache is not None:
+            keys, values = cache.update(key, value, self.layer_idx, kwargs=kwargs)
+
+    attention_interface = plan.attention_functions.get_interface(
+        self.config._attn_implementation, plan.eager_attention)
+    extra = {"sliding_window": self.sliding_window} if hasattr(self, "sliding_window") else {}
+    attn_output, attn_weights = attention_interface(
+        self, query, keys, values, attention_mask, dropout=0.0, scaling=self.scaling, **extra,
+        **kwargs)
+    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+    if gate is not None:
+        attn_output = attn_output * torch.sigmoid(gate)
+    return self.o_proj(attn_output), attn_weights
+
+
+def _prologue(self, plan: _Plan, query, key, value, cache):
+    """The op on one layer's projections: ``(query_rotated, key_rotated, keys, values)``. With
+    a plain ``StaticLayer`` it writes the new rows there and returns the layer's whole tensors
+    as ``keys, values``; otherwise it writes nothing and they are None. Raises the op's
+    TypeError / ValueError before any state changes."""
+    positions = plan.positions["positions"]
+    if plan.mrope_section is not None:
+        positions = positions.expand(3, -1, -1)  # as the rotary module does: [3, B, S]
+    inv_freq = plan.rotary.inv_freq
+    if inv_freq.dtype != torch.float32:  # model.to(bf16) casts the buffer; HF upcasts it
+        inv_freq = inv_freq.float()
+    options = dict(norm_rounding=plan.norm_rounding, norm_weight_offset=plan.norm_weight_offset,
+                   rotary_dim=2 * inv_freq.shape[0],
+                   cos_sin_scale=float(plan.rotary.attention_scaling),
+                   mrope_section=plan.mrope_section, mrope_interleaved=True)
+    if plan.mrope_section is None:
+        del options["mrope_section"], options["mrope_interleaved"]
+
+    layer = None
+    layers = getattr(cache, "layers", None)
+    if layers is not None and self.layer_idx < len(layers) and not getattr(
+            cache, "offloading", False) and type(layers[self.layer_idx]) is StaticLayer:
+        layer = layers[self.layer_idx]
+    if layer is not None:
+        if not layer.is_initialized:
+            layer.lazy_initialization(key, value)
+        # StaticLayer.update's bookkeeping: rows at a running device-side offset, advanced
+        # only once the op has accepted the call.
+        seq_len = key.shape[2]
+        rows = torch.arange(seq_len, device=key.device) + layer.cumulative_length
+        q_rot, k_rot, keys, values = fused_rope_with_qk_norm_and_kv_cache_update(
+            query, key, value, positions, layer.keys, layer.values, rows,
+            _local(self.q_norm.weight), _local(self.k_norm.weight), inv_freq, plan.eps,
+            **options)
+        layer.cumulative_length.add_(seq_len)
+        return q_rot, k_rot, keys, values
+
+    # No cache of the op's layout: one-row stand-in caches whose row every token skips (-1).
+    # (Separate allocations: the op refuses caches that share memory, expanded views too.)
+    B, Hkv, S, D = key.shape
+    k_stand_in = key.new_empty((B, Hkv, 1, D))
+    v_stand_in = key.new_empty((B, Hkv, 1, D))
+    rows = torch.full((S,), -1, dtype=torch.int64, device=key.device)
+    q_rot, k_rot, _, _ = fused_rope_with_qk_norm_and_kv_cache_update(
+        query, key, value, positions, k_stand_in, v_stand_in, rows, _local(self.q_norm.weight),
+        _local(self.k_norm.weight), inv_freq, plan.eps, **options)
+    return q_rot, k_rot, None, None
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    """This rank's tensor of a weight that tensor parallelism keeps as a (replicated) DTensor,
+    as older transformers did for q_norm/k_norm; the kernel addresses plain tensors."""
+    to_local = getattr(weight, "to_local", None)
+    return weight if to_local is None else to_local()
+
+
+def _stock(self, plan: _Plan, reason: str, hidden_states, position_embeddings, attention_mask,
+           cache, kwargs):
+    _warn_call_once(reason)
+    return plan.stock_forward(hidden_states, position_embeddings, attention_mask,
+                              **{plan.cache_kwarg: cache}, **kwargs)

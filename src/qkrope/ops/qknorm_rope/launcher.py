@@ -60,6 +60,9 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def _tensor(name: str, x, rank: int | tuple[int, ...], dtypes) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if hasattr(x, "to_local"):  # a DTensor: the kernel addresses one device's memory
+        raise TypeError(f"{name} is a {type(x).__name__}; pass this rank's tensor "
+                        f"({name}.to_local())")
     ranks = (rank,) if isinstance(rank, int) else rank
     if x.dim() not in ranks:
         want = " or ".join(str(r) for r in ranks)

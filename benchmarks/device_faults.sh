@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The "killed mid-build" check on a GPU machine (docs: issue "dependable"): a process starts
+# the native helper's build and is killed, with its compiler, in the middle of the compile; then
+# the GPU tests run twice: the first builds the helper again (nothing left behind may block it),
+# the second finds it cached.
+#
+#     bash benchmarks/device_faults.sh [OUT_DIR]
+set -uo pipefail
+out=${1:-/tmp/qkrope-faults}
+mkdir -p "$out"
+cache=$(python3 -c "from qkrope.ops import _native; print(_native.cache_path().parent)")
+echo "== native cache: $cache"; ls -la "$cache" 2>/dev/null
+
+echo "== 1. a process starts the build (first GPU launch), then it and its build are killed"
+python3 - <<'PY' &
+import time, torch, qkrope
+from qkrope.suite import SUITE, make_inputs
+qkrope.run(*make_inputs(SUITE[0], device="cuda"))  # first launch: the build starts
+time.sleep(600)
+PY
+parent=$!
+for _ in $(seq 60); do  # wait for the compiler to be running
+  pgrep -f "cc1plus|_native.py --build" >/dev/null && pgrep cc1plus >/dev/null && break
+  sleep 1
+done
+sleep 3
+echo "-- processes at the kill:"; ps -eo pid,pgid,etime,args | grep -E "_native.py --build|cc1plus" | grep -v grep
+build=$(pgrep -f "_native.py --build" | head -1)
+kill -9 "$parent"
+[ -n "$build" ] && kill -9 -- "-$(ps -o pgid= -p "$build" | tr -d ' ')"
+sleep 1
+echo "-- left behind:"; ls -la "$cache" "$cache"/* 2>/dev/null | head -30
+python3 -c "from qkrope.ops import _native; print('status after the kill:', _native.status())"
+
+for run in 1 2; do
+  echo "== $((run + 1)). GPU tests, run $run"
+  start=$(date +%s)
+  python3 -m pytest tests/ -q -x -p no:cacheprovider 2>&1 | tee "$out/pytest-run$run.log" | tail -15
+  echo "run $run: rc=${PIPESTATUS[0]}, $(( $(date +%s) - start )) s"
+done
+ls -la "$cache"

@@ -1,0 +1,51 @@
+"""Variant copies of ``src/`` for ``kernel_ab.py --tree`` (session 2026-12-03 probes; see
+docs/perf-notes.md, "one op core: performance gate"). Each variant is a checked text
+substitution: if the target text is gone the script fails instead of timing production code.
+
+    python benchmarks/probe_trees.py /tmp/probes     # writes /tmp/probes/<name>/src
+"""
+
+import pathlib
+import shutil
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+KERNEL = "qkrope/ops/qknorm_rope/kernel.py"
+LAUNCHER = "qkrope/ops/qknorm_rope/launcher.py"
+
+RSTD_FIRST = (KERNEL, '''        angle = _angles(pos_ptr, pos_off, t_mask, d_lo, inv_freq_ptr, stride_inv_freq,
+                        stride_pos_r, MROPE, SEC_T, SEC_H, SEC_W)
+        cos, sin = _cos_sin(angle, DT, COS_SIN_SCALE, INTERPRETER)
+        rstd = _rstd(x_lo, x_hi, eps, D)
+''', '''        rstd = _rstd(x_lo, x_hi, eps, D)
+        angle = _angles(pos_ptr, pos_off, t_mask, d_lo, inv_freq_ptr, stride_inv_freq,
+                        stride_pos_r, MROPE, SEC_T, SEC_H, SEC_W)
+        cos, sin = _cos_sin(angle, DT, COS_SIN_SCALE, INTERPRETER)
+''')
+TWO_Q_HEADS = (LAUNCHER, '''        return TileConfig(1, 1, 1, 1)''', '''        return TileConfig(2 if B * T > 1 else 1, 1, 1, 1)''')
+
+VARIANTS = {
+    # the RMS reduction before the trig in program order (its rsqrt leaves the tail)
+    "rstd_first": [RSTD_FIRST],
+    # run 16's decode lead: two query heads per program below one wave of programs
+    "two_q_heads": [RSTD_FIRST, TWO_Q_HEADS],
+}
+
+
+def main() -> None:
+    out = pathlib.Path(sys.argv[1])
+    for name, edits in VARIANTS.items():
+        dest = out / name / "src"
+        shutil.rmtree(dest, ignore_errors=True)
+        shutil.copytree(ROOT / "src", dest)
+        for rel, old, new in edits:
+            path = dest / rel
+            text = path.read_text()
+            if text.count(old) != 1:
+                sys.exit(f"{name}: the text to replace in {rel} is not there exactly once")
+            path.write_text(text.replace(old, new))
+        print(dest)
+
+
+if __name__ == "__main__":
+    main()
