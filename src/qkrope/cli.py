@@ -393,14 +393,10 @@ def collect_info() -> dict:
            else ")")
         if interpreting() else f"off (TRITON_INTERPRET={env_value or 'unset'})")
     info["launch_route"] = launch_route()
-    info["native_helpers"] = _native.status()
-    info["native_enabled"] = _native.enabled()
-    describe = getattr(_native, "describe", None)  # newer _native: paths, cache, compiler
-    if describe is not None:
-        try:
-            info["native"] = describe()
-        except Exception as e:  # info must print even where the description fails
-            info["native"] = {"error": f"{type(e).__name__}: {e}"}
+    try:
+        info["native"] = _native.describe()
+    except Exception as e:  # info must print even where the description fails
+        info["native"] = {"status": _native.status(), "error": f"{type(e).__name__}: {e}"}
     return info
 
 
@@ -409,8 +405,6 @@ _INFO_LABELS = {
     "triton": "Triton version", "torch_cuda": "CUDA used to build torch",
     "cuda_available": "CUDA available", "driver": "GPU driver", "gpus": "GPU",
     "triton_interpreter": "Triton interpreter", "launch_route": "launch route",
-    "native_helpers": "native launch helpers", "native_enabled": "native helpers enabled "
-                                                                 "(QKROPE_NATIVE)",
 }
 
 
@@ -436,25 +430,9 @@ def _info(args) -> int:
 def _build_native(args) -> int:
     from .ops import _native
 
-    build = getattr(_native, "build", None)  # newer _native: (ok, path or reason)
-    if build is not None:
-        ok, message = build(args.timeout)
-    else:
-        ok, message = _build_through_load(_native, args.timeout)
+    ok, message = _native.build(args.timeout)
     print(f"native launch helpers: {'built' if ok else 'not built'}: {message}")
     return 0 if ok else 1
-
-
-def _build_through_load(native, timeout: float) -> tuple[bool, str]:
-    """``build`` for a ``_native`` that has only ``load``."""
-    module = native.load(timeout, force=True)
-    if module is not None:
-        return True, getattr(module, "__file__", None) or module.__name__
-    state = getattr(native, "_state", {})
-    thread = state.get("thread")
-    if thread is not None and thread.is_alive():
-        return False, f"still building after {timeout:g} s (try a longer --timeout)"
-    return False, state.get("error") or native.status()
 
 
 def main(argv: list[str] | None = None) -> int:
