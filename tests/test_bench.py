@@ -94,15 +94,17 @@ def test_json_and_plot(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path of the CLI")
 def test_cli_on_cpu_checks_through_interpreter_and_exits_zero(capsys, tmp_path):
-    rc = main(["bench", "--shape", "5,3,2", "--shape", "1,0,1", "--json", str(tmp_path / "o.json"),
-               "--plot", str(tmp_path / "o.png")])
+    rc = main(["bench", "--shape", "5,3,2", "--shape", "1,0,1", "--json", str(tmp_path / "o.json")])
     out = capsys.readouterr().out
     assert rc == 0
-    assert "Timing needs a CUDA GPU" in out and "| 1 | 5 | 3 | 2 | 10 |" in out
-    assert out.count("pass") == 2
+    assert "Timing needs a CUDA GPU" in out and "| 1 | 5 | 3 | 2 | 6/2 heads | 1e-05 |" in out
+    assert "Launch route: interpreter" in out
+    assert out.count("| pass |") == 2
     data = json.loads((tmp_path / "o.json").read_text())
-    assert data["timed"] is False and data["workloads"][0]["impls"]["qkrope"]["correct"] is True
-    assert not (tmp_path / "o.png").exists()
+    assert data["timed"] is False and data["complete"] is True
+    assert data["workloads"][0]["impls"]["qkrope"]["correct"] is True
+    assert data["checked_geometry"]["num_q_heads"] == 6
+    assert data["environment"]["launch_route"].startswith("interpreter")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path of the CLI")
@@ -111,7 +113,6 @@ def test_cli_paged_layout_on_cpu(capsys):
                "--model", "qwen3-0.6b"])
     out = capsys.readouterr().out
     assert rc == 0 and "layout paged" in out and out.count("| pass |") == 2
-
 
 
 def test_same_bytes_copies_move_the_bytes():
@@ -158,3 +159,78 @@ def test_host_time_beside_a_reference_alternates_runs(monkeypatch):
     assert order[:6] == ["r", "f"] * 3  # warm-up, alternating
     assert order[6:] == ["r", "f"] * 3  # one call per run, reference first
     assert (fn_us, ref_us, ratio) == (pytest.approx(2), pytest.approx(1), pytest.approx(2))
+
+
+def test_render_without_qkrope_compares_with_the_first_that_ran():
+    # A GPU run of `--impl eager` (no qkrope in the list): eager is the main column.
+    rep = fake_report()
+    for w in rep.workloads:
+        del w.impls["qkrope"]
+    rep.impls = ["eager"]
+    text = render_markdown(rep)
+    assert "| eager µs |" in text and "| 1 | 1 | 0 | 1 | 1 | 1.00 | 1.50 | 200.00 |" in text
+    assert "qkrope µs" not in text
+
+
+def test_render_cpu_report_without_qkrope_and_unchecked_results():
+    # The CPU crash of `--impl eager` (issue 12 item 8): a result with no verdict renders.
+    rep = fake_report(timed=False)
+    rep.impls, rep.skipped = [], {"eager": "checked and timed only on a CUDA GPU"}
+    for w in rep.workloads:
+        w.impls = {}
+    text = render_markdown(rep)
+    assert "Nothing checked" in text and "- skipped eager: checked and timed only" in text
+    rep = fake_report(timed=False)
+    rep.workloads[0].impls["qkrope"] = ImplResult()
+    assert "| 1 | 1 | 0 | 1 | full size | 1e-05 | — | — | — |" in render_markdown(rep)
+
+
+def test_partial_report_says_so(tmp_path):
+    rep = fake_report(timed=False)
+    rep.complete = False
+    assert "Partial results: the run stopped after 3 workload(s)." in render_markdown(rep)
+    write_json(rep, tmp_path / "p.json")
+    assert json.loads((tmp_path / "p.json").read_text())["complete"] is False
+    assert not (tmp_path / "p.json.tmp").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path of the CLI")
+def test_cli_exits_one_on_a_wrong_qkrope_result(monkeypatch, capsys):
+    # A kernel that skipped the norm on one query element fails the command, not just the row.
+    from qkrope.bench import impls
+    from qkrope.ops.qknorm_rope.reference import qknorm_rope_cache_ref
+
+    def wrong(*args):
+        q, k, kc, vc = qknorm_rope_cache_ref(*args)
+        q = q.clone()
+        q.view(-1)[: q.numel() // 50] += 1.0  # 2% of the elements off: below the 99% rule
+        return q, k, kc, vc
+
+    monkeypatch.setitem(impls.IMPLS, "qkrope", impls.Impl("qkrope", "wrong", lambda: wrong))
+    assert main(["bench", "--shape", "3,1,1", "--model", "qwen3-0.6b"]) == 1
+    assert "FAIL (98.0%)" in capsys.readouterr().out
+
+
+def test_render_timed_report_with_nothing_run():
+    # A GPU run whose every named implementation was skipped (e.g. --impl flashinfer).
+    rep = fake_report()
+    rep.impls = []
+    for w in rep.workloads:
+        w.impls = {}
+    text = render_markdown(rep)
+    assert "| 1 | 1 | 0 | 1 | 1 | 1.00 | 1.50 | — | — | — | — | — | — |" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("subset", ["eager", "torch.compile,eager", "flashinfer", "liger,qkrope"])
+def test_cli_gpu_runs_impl_subsets(capsys, subset):
+    # Every --impl subset works on a GPU too; without qkrope the first peer is the main column.
+    rc = main(["bench", "--impl", subset, "--shape", "1,0,1", "--iters", "3", "--warmup", "1",
+               "--host-calls", "20", "--no-graph", "--native-wait", "0"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "Launch route:" in out
+    main_impl = next((n for n in ("qkrope", "torch.compile", "eager") if n in subset), None)
+    if main_impl:
+        assert f"| {main_impl} µs |" in out
+    if "flashinfer" in subset:
+        assert "- skipped flashinfer: qkrope has no FlashInfer adapter yet" in out

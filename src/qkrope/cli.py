@@ -1,13 +1,73 @@
-"""Command line: ``qkrope bench`` (also ``python -m qkrope bench``)."""
+"""The ``qkrope`` command (also ``python -m qkrope``): ``bench``, ``info``, ``build-native``."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import json
+import os
+import platform
 import sys
 
-from .suite import MODELS, PAGED_SUITE, SUITE, Workload
+from .bench.runner import NATIVE_WAIT_S
+from .suite import (
+    MODELS, PAGED_SUITE, REDUCED_MAX_BATCH, REDUCED_MAX_SEQ, SUITE, Workload, reduced_geometry,
+)
 
-DEFAULT_IMPLS = "qkrope,torch.compile,eager,liger,flashinfer"
+# Exit statuses beyond 0/1: argparse's own for usage errors, the shell's for SIGINT.
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+class UsageError(Exception):
+    """A request the command cannot honour, found before any work (exit status 2)."""
+
+
+DESCRIPTION = """\
+qkrope: fused QK-norm + RoPE + KV-cache-write GPU kernels for Qwen3-style attention.
+Run `qkrope COMMAND --help` for the options of each command."""
+
+WORKLOADS_TEXT = """\
+A workload is S,C,B: S new tokens per sequence (S = 1 is a decode step, larger S a prefill),
+written after C tokens already in the KV cache (so the new tokens sit at positions C .. C+S-1),
+for a batch of B sequences. Each workload has its own absolute tolerance atol."""
+
+_S, _B = REDUCED_MAX_SEQ, REDUCED_MAX_BATCH
+_REDUCED_EXAMPLE = "96/8 becomes {0.num_q_heads}/{0.num_kv_heads}".format(
+    reduced_geometry(MODELS["qwen3-coder-480b"]))
+
+BENCH_DESCRIPTION = f"""\
+Check every implementation against qkrope.reference (the op in plain PyTorch, with the same
+bf16 rounding points) and, on a CUDA GPU, time it.
+
+{WORKLOADS_TEXT}
+
+The suite is 13 such workloads for Qwen3-Coder-480B's heads (96 query, 8 key/value, head_dim
+128), from a single decode token to a 4096-token prefill after 2048 cached tokens:
+  {" ".join(f"{w.seq_len},{w.cache_len},{w.batch}" for w in SUITE)}
+(`qkrope bench --list` prints it as a table, with the tolerances and the implementations).
+
+Correctness rule: an output element matches when |out - ref| <= atol + 0.05 * |ref|; a workload
+passes when at least 99% of the elements of each of the four outputs (rotated query, rotated
+key, key cache, value cache) match and none is NaN or Inf.
+
+Timing protocol (GPU): the GPU time of each call's kernels from CUPTI records (first kernel
+start to last kernel end), the L2 cache flushed before every call, 10 warm-up calls, the median
+of 50, and the geometric mean over the suite; beside it, host time per eager call and per call
+in a replayed CUDA graph, and the bandwidth floor: the bytes a call must move divided by the
+device-to-device copy bandwidth measured in the same run.
+
+Without a CUDA GPU nothing is timed: qkrope's Triton kernel is checked through Triton's CPU
+interpreter at reduced sizes, as the full suite takes hours there. Each workload keeps its shape
+class (its C and atol, decode or prefill, S modulo {_S}): S over {_S} becomes {_S} + S mod {_S}, B over
+{_B} becomes {_B}, and the heads shrink ({_REDUCED_EXAMPLE}; head_dim kept). This takes a minute or
+two; --full checks the full sizes."""
+
+BENCH_EPILOG = f"""\
+exit status: 0 when every qkrope check passes (a failing peer is only reported), 1 when a
+qkrope output is wrong or its call fails, {EXIT_USAGE} for a request that cannot be honoured
+(checked before any work), {EXIT_INTERRUPTED} when interrupted (Ctrl-C; --json keeps the partial
+results)."""
 
 
 def _shape(text: str) -> Workload:
@@ -20,51 +80,231 @@ def _shape(text: str) -> Workload:
     return Workload(s, c, b)
 
 
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"wants a positive integer, got {text!r}")
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"wants a positive integer, got {text!r}")
+    return n
+
+
+def _seconds(text: str) -> float:
+    try:
+        t = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"wants seconds (a number >= 0), got {text!r}")
+    if not 0 <= t < float("inf"):
+        raise argparse.ArgumentTypeError(f"wants seconds (a number >= 0), got {text!r}")
+    return t
+
+
+def _version_line() -> str:
+    import torch
+    import triton
+
+    from . import __version__
+
+    return f"qkrope {__version__} (torch {torch.__version__}, triton {triton.__version__})"
+
+
+def _impl_help() -> str:
+    from .bench.impls import IMPLS
+
+    names = "; ".join(f"{n}: {i.description}" for n, i in IMPLS.items())
+    return ("comma-separated implementations to compare (" + names + "). Default: every one "
+            "that can run here (a peer whose package is missing is left out); without a CUDA "
+            "GPU only qkrope, as nothing is timed there. Naming one that cannot run reports "
+            "it as skipped, with the reason")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="qkrope", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    b = sub.add_parser(
-        "bench", help="check and time the op on the 13-workload suite (SPEC.md §2-§4)",
-        description="Check every implementation against qkrope.reference with the SPEC §2 rule "
-                    "and time it with the SPEC §3 protocol (CUPTI GPU time, L2 flushed before "
-                    "every call, warm-ups, median). Without CUDA: checks the real kernel "
-                    "through Triton's interpreter and exits 0.")
-    b.add_argument("--impl", default=DEFAULT_IMPLS,
-                   help=f"comma-separated implementations (default: {DEFAULT_IMPLS})")
+    raw = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(prog="qkrope", description=DESCRIPTION, formatter_class=raw)
+    parser.add_argument("--version", action="version", version=_version_line(),
+                        help="print the versions of qkrope, torch and triton, and exit")
+    sub = parser.add_subparsers(title="commands", dest="command", required=True,
+                                metavar="COMMAND")
+
+    b = sub.add_parser("bench", help="check qkrope and its peers against the reference on the "
+                                    "13-workload suite; time them on a CUDA GPU",
+                       description=BENCH_DESCRIPTION, epilog=BENCH_EPILOG, formatter_class=raw)
+    b.add_argument("--list", action="store_true",
+                   help="print the suite's workloads and the implementations, and exit")
+    b.add_argument("--impl", metavar="NAMES", default=None, help=_impl_help())
     b.add_argument("--model", choices=sorted(MODELS), default="qwen3-coder-480b",
-                   help="head geometry preset (default: qwen3-coder-480b, 96/8/128)")
+                   help="head geometry and RoPE constants: "
+                        + ", ".join(f"{m.name} {m.num_q_heads}/{m.num_kv_heads}/{m.head_dim}"
+                                    for m in MODELS.values())
+                        + " (query/key-value heads/head_dim; default: qwen3-coder-480b)")
     b.add_argument("--shape", type=_shape, action="append", metavar="S,C,B",
-                   help="custom workload (repeatable) instead of the suite")
+                   help="a workload of your own instead of the suite: S new tokens per "
+                        "sequence after C cached tokens, B sequences (repeatable; atol 1e-5)")
     b.add_argument("--sweep", action="store_true",
-                   help="prefill lengths 1..16384 and decode batches 2..4096 instead of the suite")
+                   help="prefill lengths 1..16384 (C=0, B=1) and decode batches 2..4096 (S=1, "
+                        "C=511) instead of the suite")
     b.add_argument("--layout", choices=("bhsd", "paged"), default="bhsd",
                    help="bhsd: the [B, H, S, D] op on the 13-workload suite (default); paged: "
-                        "the token-major op with a paged NHD cache on decode batches of 64 and "
-                        "256 sequences at mixed positions and a 4096-token prefill, against the "
+                        "the token-major op with a paged cache on decode batches of 64 and 256 "
+                        "sequences at mixed positions and a 4096-token prefill, against the "
                         "unfused serving sequence")
-    b.add_argument("--iters", type=int, default=50, help="timed calls per measurement (50)")
-    b.add_argument("--warmup", type=int, default=10, help="warm-up calls (10)")
-    b.add_argument("--host-calls", type=int, default=2000,
-                   help="back-to-back calls for the host-time figure (2000)")
+    b.add_argument("--full", action="store_true",
+                   help="without a CUDA GPU, check the full sizes instead of the reduced ones "
+                        "(hours in Triton's interpreter); a GPU always runs full sizes")
+    b.add_argument("--iters", type=_positive_int, default=50, metavar="N",
+                   help="timed calls per measurement (default 50)")
+    b.add_argument("--warmup", type=_positive_int, default=10, metavar="N",
+                   help="warm-up calls before each measurement (default 10)")
+    b.add_argument("--host-calls", type=_positive_int, default=2000, metavar="N",
+                   help="back-to-back calls for the host time per eager call (default 2000)")
     b.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph replay timing")
-    b.add_argument("--cache-len", type=int, default=None,
-                   help="cache length L (default: the model's max positions for the suite on a "
-                        "GPU, else C+S per workload)")
+    b.add_argument("--cache-len", type=_positive_int, default=None, metavar="L",
+                   help="cache length L of every workload (default: the model's max positions "
+                        "for the suite on a GPU, as the suite specifies, else C+S per workload)")
     b.add_argument("--benchmark-inputs", action="store_true",
-                   help="all-ones norm weights, as the public benchmark uses (default: random)")
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--json", metavar="PATH", help="write every number and the environment")
-    b.add_argument("--plot", metavar="PATH", help="write a PNG: latency vs tokens, with the floor")
+                   help="all-ones norm weights, as the public benchmark uses (default: random "
+                        "weights, so a kernel that ignored them would fail)")
+    b.add_argument("--seed", type=int, default=0, metavar="N",
+                   help="seed of the random inputs (q, k, v, caches, norm weights; default 0)")
+    b.add_argument("--native-wait", type=_seconds, default=NATIVE_WAIT_S, metavar="SECONDS",
+                   help="on a GPU, how long to wait for the native launch helpers to finish "
+                        f"building before timing (default {NATIVE_WAIT_S:g}; 0: don't wait); "
+                        "the route timed is printed. Never waits without a GPU")
+    b.add_argument("--json", metavar="PATH",
+                   help="write every number and the environment to PATH (rewritten after every "
+                        "workload, so an interrupted run keeps its partial results)")
+    b.add_argument("--plot", metavar="PATH",
+                   help="write a PNG of latency vs tokens with the bandwidth floor (needs "
+                        "matplotlib and a CUDA GPU)")
+
+    i = sub.add_parser("info", help="versions, GPU, Triton interpreter state and which launch "
+                                        "route is active, and why",
+                       description="Print qkrope, Python, torch, Triton and CUDA versions, the "
+                                   "GPUs, whether Triton's interpreter is on, and which launch "
+                                   "route repeated eager calls take and why, as key: value lines.")
+    i.add_argument("--json", action="store_true", help="print the same as one JSON object")
+
+    n = sub.add_parser("build-native", help="build the eager fast path's C++ launch helpers now "
+                                               "and print their path, or why not",
+                       description="Build (or load from torch's extension cache) the C++ helpers "
+                                   "the eager fast path launches kernels with; normally they "
+                                   "build in the background on the first GPU launch. Prints the "
+                                   "module's path, or why it could not be built. Exit status 0 "
+                                   "when built, 1 when not.")
+    n.add_argument("--timeout", type=_seconds, default=600.0, metavar="SECONDS",
+                   help="give up waiting after this long (default 600; a first build takes "
+                        "~30 s on two cores)")
     return parser
 
 
+# ----------------------------------------------------------------------------------------------
+# bench
+# ----------------------------------------------------------------------------------------------
+def _bench_list() -> int:
+    import torch
+
+    from .bench.impls import IMPLS, LAYOUTS
+
+    timed = torch.cuda.is_available()
+    print(WORKLOADS_TEXT)
+    for title, suite in (("The suite (--layout bhsd)", SUITE),
+                         ("The paged suite (--layout paged; B sequences of one token each in "
+                          "decode)", PAGED_SUITE)):
+        print(f"\n{title}:")
+        print(f"{'#':>3} {'S':>5} {'C':>5} {'B':>4} {'tokens':>6}  atol")
+        for k, w in enumerate(suite, 1):
+            print(f"{k:>3} {w.seq_len:>5} {w.cache_len:>5} {w.batch:>4} {w.tokens:>6}  "
+                  f"{w.atol:g}")
+    print("\nImplementations (--impl):")
+    for name, impl in IMPLS.items():
+        why = impl.unavailable()
+        if why is None and not timed and name != "qkrope":
+            why = "checked and timed only on a CUDA GPU"
+        layouts = "/".join(k for k, lay in LAYOUTS.items() if name in lay.impls)
+        state = "runs here" if why is None else f"not here: {why}"
+        print(f"  {name:<14} {impl.description} [{layouts}; {state}]")
+    return 0
+
+
+def _check_requests(args, timed: bool) -> list[str]:
+    """Everything a request needs that can be known before any work; returns the impl list."""
+    from .bench.impls import IMPLS, default_impls
+
+    if args.impl is None:
+        impls = default_impls(args.layout, timed)
+    else:
+        impls = [s.strip() for s in args.impl.split(",") if s.strip()]
+        unknown = [n for n in impls if n not in IMPLS]
+        if unknown:
+            raise UsageError(f"--impl: unknown implementation {', '.join(map(repr, unknown))}; "
+                             f"choose from {', '.join(IMPLS)}")
+        if not impls:
+            raise UsageError("--impl: no implementation named")
+    if args.shape and args.sweep:
+        raise UsageError("--shape and --sweep both choose the workloads: give one")
+    if args.plot:
+        try:
+            importlib.import_module("matplotlib")
+        except ImportError:
+            raise UsageError("--plot needs matplotlib: pip install 'qkrope[plot]' (or drop "
+                             "--plot)") from None
+        if not timed:
+            raise UsageError("--plot draws timings, and timing needs a CUDA GPU; this machine "
+                             "has none (drop --plot)")
+    for opt, path in (("--json", args.json), ("--plot", args.plot)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder and not os.path.isdir(folder):
+            raise UsageError(f"{opt} {path}: folder {folder} does not exist")
+    return impls
+
+
+class _ProgressBar:
+    """A rich progress bar: workloads done of all, elapsed time and an estimate of the time
+    left (the work of each workload is weighted by its size, so the estimate holds when a
+    4096-token prefill follows a run of decode steps)."""
+
+    def __init__(self, console):
+        from rich.progress import (
+            BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn,
+        )
+
+        self._bar = Progress(SpinnerColumn(), BarColumn(bar_width=24),
+                             TextColumn("{task.fields[n]}/{task.fields[count]}"),
+                             TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                             TextColumn("{task.description}"), console=console)
+        self._task = self._bar.add_task("starting", total=None, n=0, count="?")
+        self._n = 0
+
+    def __enter__(self):
+        self._bar.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._bar.__exit__(*exc)
+
+    def start(self, total: float, count: int) -> None:
+        self._bar.update(self._task, total=total, count=count)
+
+    def status(self, text: str) -> None:
+        self._bar.update(self._task, description=text)
+
+    def done(self, amount: float) -> None:
+        self._n += 1
+        self._bar.update(self._task, advance=amount, n=self._n)
+
+
 def _bench(args) -> int:
+    if args.list:
+        return _bench_list()
     import torch
     from rich.console import Console
 
-    from .bench import render_markdown, run_benchmark, sweep_workloads, write_json, write_plot
+    from .bench import check_plan, render_markdown, run_benchmark, sweep_workloads, write_json
 
     err = Console(stderr=True)
+    timed = torch.cuda.is_available()
+    impls = _check_requests(args, timed)
     geometry = MODELS[args.model]
     if args.shape:
         workloads = args.shape
@@ -73,42 +313,140 @@ def _bench(args) -> int:
     else:
         workloads = list(PAGED_SUITE if args.layout == "paged" else SUITE)
     cache_len = args.cache_len
-    if (cache_len is None and torch.cuda.is_available() and not (args.shape or args.sweep)
+    if (cache_len is None and timed and not (args.shape or args.sweep)
             and args.layout == "bhsd"):
         cache_len = geometry.max_position_embeddings
-    if not torch.cuda.is_available():
-        err.print("[yellow]No CUDA device: checking the real kernel through Triton's interpreter "
-                  "at cache length C+S (this takes a minute or two); timing needs a CUDA GPU."
-                  "[/yellow]")
-    impls = [s.strip() for s in args.impl.split(",") if s.strip()]
+    if not timed:
+        plan = check_plan(workloads, geometry, reduced=not args.full)
+        err.print("No CUDA device: checking qkrope's kernel through Triton's interpreter at "
+                  f"{plan.describe(geometry)}. Timing needs a CUDA GPU.", highlight=False,
+                  markup=False)
 
-    with err.status("starting") as status:
-        report = run_benchmark(
-            workloads, geometry, impls, iters=args.iters, warmup=args.warmup,
-            host_calls=args.host_calls, graphs=not args.no_graph,
-            benchmark_inputs=args.benchmark_inputs, cache_capacity=cache_len, seed=args.seed,
-            progress=lambda msg: status.update(f"[bold]qkrope bench[/bold] {msg}"),
-            layout=args.layout)
+    written = []
+
+    def keep(report) -> None:
+        if args.json:
+            write_json(report, args.json)
+            written[:] = [args.json]
+
+    try:
+        with _ProgressBar(err) as bar:
+            report = run_benchmark(
+                workloads, geometry, impls, iters=args.iters, warmup=args.warmup,
+                host_calls=args.host_calls, graphs=not args.no_graph,
+                benchmark_inputs=args.benchmark_inputs, cache_capacity=cache_len,
+                seed=args.seed, progress=bar, layout=args.layout, full_size=args.full,
+                native_wait_s=args.native_wait, on_update=keep)
+    except KeyboardInterrupt:
+        where = (f"; partial results written to {written[0]}" if written else
+                 f"; nothing written to {args.json} yet" if args.json else "")
+        print(f"interrupted{where}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    keep(report)
     print(render_markdown(report))
     if args.json:
-        write_json(report, args.json)
-        err.print(f"wrote {args.json}")
+        err.print(f"wrote {args.json}", highlight=False, markup=False)
     if args.plot:
-        if report.timed:
-            write_plot(report, args.plot)
-            err.print(f"wrote {args.plot}")
-        else:
-            err.print("--plot skipped: it needs timings, and timing needs a CUDA GPU")
-    # A wrong qkrope result fails the command; a failing baseline is only reported.
+        from .bench import write_plot
+
+        write_plot(report, args.plot)
+        err.print(f"wrote {args.plot}", highlight=False, markup=False)
+    # A wrong qkrope result fails the command; a failing peer is only reported.
     ours = [w.impls["qkrope"] for w in report.workloads if "qkrope" in w.impls]
     return 1 if any(r.correct is False or r.error for r in ours) else 0
 
 
+# ----------------------------------------------------------------------------------------------
+# info, build-native
+# ----------------------------------------------------------------------------------------------
+def collect_info() -> dict:
+    """What ``qkrope info`` prints: versions, GPUs, interpreter state, launch route."""
+    import torch
+    import triton
+
+    from . import __version__
+    from ._interpret import interpreting
+    from .ops import _native, launch_route
+
+    info = {
+        "qkrope": __version__,
+        "python": f"{platform.python_version()} ({sys.executable})",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "torch_cuda": torch.version.cuda or "none (a CPU-only torch build)",
+        "cuda_available": torch.cuda.is_available(),
+    }
+    gpus = []
+    if torch.cuda.is_available():
+        for k in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(k)
+            gpus.append(f"{p.name} (capability {p.major}.{p.minor}, "
+                        f"{p.multi_processor_count} SMs, {p.total_memory / 2**30:.0f} GiB)")
+        from .bench.runner import _driver_version
+
+        info["driver"] = _driver_version() or "unknown (nvidia-smi did not answer)"
+    info["gpus"] = gpus
+    env_value = os.environ.get("TRITON_INTERPRET")
+    info["triton_interpreter"] = (
+        f"on (TRITON_INTERPRET={env_value}"
+        + ("; qkrope turns it on when no CUDA device is visible)" if not torch.cuda.is_available()
+           else ")")
+        if interpreting() else f"off (TRITON_INTERPRET={env_value or 'unset'})")
+    info["launch_route"] = launch_route()
+    try:
+        info["native"] = _native.describe()
+    except Exception as e:  # info must print even where the description fails
+        info["native"] = {"status": _native.status(), "error": f"{type(e).__name__}: {e}"}
+    return info
+
+
+_INFO_LABELS = {
+    "qkrope": "qkrope version", "python": "Python version", "torch": "torch version",
+    "triton": "Triton version", "torch_cuda": "CUDA used to build torch",
+    "cuda_available": "CUDA available", "driver": "GPU driver", "gpus": "GPU",
+    "triton_interpreter": "Triton interpreter", "launch_route": "launch route",
+}
+
+
+def _info(args) -> int:
+    info = collect_info()
+    if args.json:
+        print(json.dumps(info, indent=1, default=str))
+        return 0
+    for key, value in info.items():
+        if key == "gpus":
+            if not value:
+                print(f"{_INFO_LABELS[key]}: none")
+            for k, gpu in enumerate(value):
+                print(f"{_INFO_LABELS[key]} {k}: {gpu}")
+        elif isinstance(value, dict):
+            for sub, v in value.items():
+                print(f"{key} {sub}: {v}")
+        else:
+            print(f"{_INFO_LABELS.get(key, key)}: {value}")
+    return 0
+
+
+def _build_native(args) -> int:
+    from .ops import _native
+
+    ok, message = _native.build(args.timeout)
+    print(f"native launch helpers: {'built' if ok else 'not built'}: {message}")
+    return 0 if ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.command == "bench":
-        return _bench(args)
-    return 2
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    commands = {"bench": _bench, "info": _info, "build-native": _build_native}
+    try:
+        return commands[args.command](args)
+    except UsageError as e:
+        print(f"qkrope {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

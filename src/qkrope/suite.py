@@ -1,21 +1,24 @@
-"""The 13-workload suite of SPEC.md §2: geometries, input construction and the correctness rule."""
+"""The 13-workload suite: workloads (S new tokens after C cached ones, for B sequences),
+model geometries, input construction, the correctness rule, and the reduced sizes a machine
+without CUDA checks them at."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 __all__ = [
     "Workload", "SUITE", "PAGED_SUITE", "ModelGeometry", "MODELS", "DEFAULT_MODEL", "OpInputs",
     "make_inputs", "make_paged_inputs", "rope_inv_freq", "TensorCheck", "check_outputs",
-    "bytes_moved",
+    "bytes_moved", "reduced_workload", "reduced_geometry", "REDUCED_MAX_SEQ", "REDUCED_MAX_BATCH",
 ]
 
 
 @dataclass(frozen=True)
 class Workload:
-    """One benchmark shape: S new tokens at cache offset C for B sequences, checked at ``atol``."""
+    """One benchmark shape: S new tokens per sequence, written after C tokens already in the KV
+    cache (positions C .. C+S-1), for a batch of B sequences; checked at ``atol``."""
 
     seq_len: int
     cache_len: int
@@ -110,7 +113,7 @@ def make_inputs(
     benchmark_weights: bool = False,
     generator: torch.Generator | None = None,
 ) -> OpInputs:
-    """Build the eleven op arguments for ``workload`` as SPEC.md §2 describes.
+    """Build the eleven op arguments for ``workload`` as the suite specifies.
 
     q/k/v and both caches are ``randn``; ``position_ids`` is ``arange(C, C+S)`` expanded over the
     batch (batch stride 0); ``cache_position`` the same rows. Norm weights are random
@@ -178,7 +181,7 @@ def make_paged_inputs(
 
 @dataclass(frozen=True)
 class TensorCheck:
-    """SPEC §2 rule for one output tensor."""
+    """The correctness rule's verdict on one output tensor."""
 
     name: str
     match_fraction: float
@@ -194,7 +197,7 @@ OUTPUT_NAMES = ("query_rotated", "key_rotated", "key_cache_out", "value_cache_ou
 
 
 def check_outputs(outputs, reference, atol: float, rtol: float = 0.05) -> list[TensorCheck]:
-    """Apply the SPEC §2 rule (``|out - ref| <= atol + rtol*|ref|`` on >= 99 % of elements, no
+    """Apply the correctness rule (``|out - ref| <= atol + rtol*|ref|`` on >= 99 % of elements, no
     NaN/Inf) to each of the four outputs; returns one :class:`TensorCheck` per tensor."""
     checks = []
     for name, out, ref in zip(OUTPUT_NAMES, outputs, reference, strict=True):
@@ -207,7 +210,43 @@ def check_outputs(outputs, reference, atol: float, rtol: float = 0.05) -> list[T
 
 def bytes_moved(workload: Workload, geometry: ModelGeometry = DEFAULT_MODEL,
                 elem_bytes: int = 2) -> int:
-    """Minimum DRAM traffic of one call (SPEC.md §4): Q read+write, K read+write+cache row, V
-    read+cache row, plus the 16 B of position indices SPEC §4 counts per token."""
+    """Minimum DRAM traffic of one call: Q read+write, K read+write+cache row, V
+    read+cache row, plus 16 B of position indices per token."""
     per_token = (2 * geometry.num_q_heads + 5 * geometry.num_kv_heads) * geometry.head_dim
     return workload.tokens * per_token * elem_bytes + workload.tokens * 16
+
+
+# ----------------------------------------------------------------------------------------------
+# Reduced sizes for Triton's interpreter
+# ----------------------------------------------------------------------------------------------
+#: New tokens per sequence above this are cut (see :func:`reduced_workload`).
+REDUCED_MAX_SEQ = 32
+#: Sequences per batch above this are cut (no suite workload has more).
+REDUCED_MAX_BATCH = 8
+
+
+def reduced_workload(workload: Workload) -> Workload:
+    """The workload's shape class at a size Triton's CPU interpreter checks in seconds.
+
+    The interpreter's cost grows with every (head, token) row, so the full suite takes hours
+    there. Kept: C (so the same positions start the rotation and the same cache rows start
+    the write: decode at position 2048 with atol 1e-5 is checked exactly), the atol, S = 1
+    (decode) versus S > 1, and S modulo 32 (so a prefill of 293 or 541 tokens still ends in a
+    partial tile of tokens). S above :data:`REDUCED_MAX_SEQ` becomes ``32 + S % 32`` and B
+    above :data:`REDUCED_MAX_BATCH` becomes 8.
+    """
+    s = workload.seq_len
+    if s > REDUCED_MAX_SEQ:
+        s = REDUCED_MAX_SEQ + s % REDUCED_MAX_SEQ
+    return Workload(s, workload.cache_len, min(workload.batch, REDUCED_MAX_BATCH), workload.atol)
+
+
+def reduced_geometry(geometry: ModelGeometry) -> ModelGeometry:
+    """The model's head geometry with fewer heads, for the interpreter: at most 2 key/value
+    heads and 3 query heads per key/value head (96/8 becomes 6/2). Kept: head_dim, rope theta,
+    eps, grouped-query attention (more query than key/value heads), more than one key/value
+    head (the cache's head stride), and a query head count that is not a power of two
+    wherever the model's is not (a partly masked tile of heads)."""
+    kv = min(geometry.num_kv_heads, 2)
+    group = min(geometry.num_q_heads // geometry.num_kv_heads, 3)
+    return replace(geometry, num_q_heads=kv * group, num_kv_heads=kv)

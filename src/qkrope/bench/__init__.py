@@ -1,6 +1,10 @@
-"""``qkrope bench``: SPEC.md §3 timing, the §4 floor, baselines, table, JSON and plot."""
+"""``qkrope bench``: checks against the reference, GPU timing (CUPTI, L2 flushed, median), the
+bandwidth floor, baselines, the markdown table, JSON and plot."""
 
-from .runner import BenchReport, render_markdown, run_benchmark, sweep_workloads, write_json, write_plot
+from .runner import (
+    BenchReport, CheckPlan, Progress, check_plan, render_markdown, run_benchmark, sweep_workloads,
+    write_json, write_plot,
+)
 
-__all__ = ["BenchReport", "render_markdown", "run_benchmark", "sweep_workloads", "write_json",
-           "write_plot"]
+__all__ = ["BenchReport", "CheckPlan", "Progress", "check_plan", "render_markdown",
+           "run_benchmark", "sweep_workloads", "write_json", "write_plot"]

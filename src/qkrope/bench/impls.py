@@ -1,7 +1,7 @@
 """Implementations the benchmark compares, each behind the op's eleven-argument convention.
 
 Every entry writes the new rows into the given caches in place (what engines and competitive
-entries do; SPEC.md §1) and returns the four outputs. Peers that are not installed are reported
+entries do) and returns the four outputs. Peers that are not installed are reported
 as skipped with the reason, never as errors.
 """
 
@@ -19,7 +19,7 @@ from ..ops.qknorm_rope.reference import qknorm_rope_cache_ref, qknorm_rope_paged
 from ..suite import make_inputs, make_paged_inputs
 
 __all__ = ["Impl", "IMPLS", "PAGED_IMPLS", "Layout", "LAYOUTS", "resolve_impls",
-           "with_fresh_caches"]
+           "default_impls", "peer_unavailable", "with_fresh_caches"]
 
 OpFn = Callable[..., tuple]
 
@@ -29,6 +29,8 @@ class Impl:
     name: str
     description: str
     build: Callable[[], OpFn]     # returns the callable; raises ImportError when unavailable
+    # Why it cannot run on this machine (cheap: no import of the peer), or None when it can.
+    unavailable: Callable[[], str | None] = lambda: None
 
 
 def _eager_reference() -> OpFn:
@@ -51,10 +53,14 @@ def _compiled_reference() -> OpFn:
     return _compile(_eager_reference())
 
 
+def _liger_unavailable() -> str | None:
+    return None if importlib.util.find_spec("liger_kernel") else "liger-kernel is not installed"
+
+
 def _liger() -> OpFn:
     """Liger-Kernel's RMSNorm and RoPE kernels composed with two ``index_copy_`` cache writes."""
-    if importlib.util.find_spec("liger_kernel") is None:
-        raise ImportError("liger-kernel is not installed")
+    if (why := _liger_unavailable()) is not None:
+        raise ImportError(why)
     from liger_kernel.ops.rms_norm import LigerRMSNormFunction
     from liger_kernel.ops.rope import LigerRopeFunction
 
@@ -75,10 +81,14 @@ def _liger() -> OpFn:
     return run
 
 
+def _flashinfer_unavailable() -> str:
+    # Selectable by name so a run says why it is absent; never in the default list.
+    installed = "installed" if importlib.util.find_spec("flashinfer") else "not installed"
+    return f"qkrope has no FlashInfer adapter yet (flashinfer is {installed})"
+
+
 def _flashinfer() -> OpFn:
-    if importlib.util.find_spec("flashinfer") is None:
-        raise ImportError("flashinfer is not installed")
-    raise ImportError("flashinfer is installed but qkrope has no adapter for it yet")
+    raise ImportError(_flashinfer_unavailable())
 
 
 IMPLS: dict[str, Impl] = {
@@ -89,8 +99,9 @@ IMPLS: dict[str, Impl] = {
         Impl("torch.compile", "torch.compile(reference, dynamic=False), in place",
              _compiled_reference),
         Impl("eager", "eager PyTorch reference, in place", _eager_reference),
-        Impl("liger", "Liger-Kernel RMSNorm + RoPE + index_copy_", _liger),
-        Impl("flashinfer", "FlashInfer", _flashinfer),
+        Impl("liger", "Liger-Kernel RMSNorm + RoPE + index_copy_", _liger, _liger_unavailable),
+        Impl("flashinfer", "FlashInfer (no adapter yet: always skipped, with the reason)",
+             _flashinfer, _flashinfer_unavailable),
     )
 }
 
@@ -154,14 +165,34 @@ LAYOUTS: dict[str, Layout] = {
 }
 
 
+def default_impls(layout: str = "bhsd", timed: bool = True) -> list[str]:
+    """The implementations a run compares when none are named: every one of the layout that can
+    run here; without CUDA only qkrope (the others are only worth running to be timed)."""
+    if not timed:
+        return ["qkrope"]
+    return [n for n, impl in LAYOUTS[layout].impls.items() if impl.unavailable() is None]
+
+
+def _known(name: str) -> None:
+    if name not in IMPLS:
+        raise ValueError(f"unknown implementation {name!r}; choose from {', '.join(IMPLS)}")
+
+
+def peer_unavailable(name: str, layout: str = "bhsd") -> str | None:
+    """Why ``name`` cannot run in ``layout`` on this machine, without building it; None when
+    it can."""
+    _known(name)
+    impl = LAYOUTS[layout].impls.get(name)
+    return f"no {layout} adapter" if impl is None else impl.unavailable()
+
+
 def resolve_impls(names: list[str], layout: str = "bhsd"
                   ) -> tuple[dict[str, OpFn], dict[str, str]]:
     """Build the requested implementations; returns ``(available, skipped_with_reason)``."""
     registry = LAYOUTS[layout].impls
     available, skipped = {}, {}
     for name in names:
-        if name not in IMPLS:
-            raise ValueError(f"unknown implementation {name!r}; choose from {', '.join(IMPLS)}")
+        _known(name)
         if name not in registry:
             skipped[name] = f"no {layout} adapter"
             continue

@@ -1,8 +1,9 @@
 """The benchmark's main loop and its outputs: markdown table, JSON and plot.
 
 ``run_benchmark`` checks and times every implementation on every workload (GPU), or checks
-qkrope through Triton's interpreter on a machine without CUDA. Rendering works on plain result
-objects, so it is tested without a GPU.
+qkrope through Triton's interpreter on a machine without CUDA, at reduced sizes unless asked
+for full ones (:func:`check_plan`). Rendering works on plain result objects, so it is tested
+without a GPU.
 """
 
 from __future__ import annotations
@@ -11,24 +12,32 @@ import datetime
 import functools
 import json
 import math
+import os
 import platform
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
+import triton
 
 from .. import __version__
 from ..suite import (
-    DEFAULT_MODEL, SUITE, ModelGeometry, Workload, bytes_moved, check_outputs,
+    DEFAULT_MODEL, REDUCED_MAX_BATCH, REDUCED_MAX_SEQ, SUITE, ModelGeometry, Workload,
+    bytes_moved, check_outputs, reduced_geometry, reduced_workload,
 )
-from .impls import LAYOUTS, resolve_impls, with_fresh_caches
+from .impls import LAYOUTS, default_impls, peer_unavailable, resolve_impls, with_fresh_caches
 
-__all__ = ["ImplResult", "WorkloadResult", "BenchReport", "run_benchmark", "render_markdown",
-           "write_json", "write_plot", "sweep_workloads", "environment"]
+__all__ = ["ImplResult", "WorkloadResult", "BenchReport", "CheckPlan", "Progress", "check_plan",
+           "run_benchmark", "render_markdown", "write_json", "write_plot", "sweep_workloads",
+           "environment", "NATIVE_WAIT_S"]
 
 # Vendor datasheet HBM bandwidth (bytes/s) by GPU name, for the "% spec BW" column.
 SPEC_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "B200": 8.0e12}
+
+#: How long a GPU run waits for the native launch helpers before timing (a first build takes
+#: ~30 s on two cores; a broken toolchain must not hold the run forever).
+NATIVE_WAIT_S = 300.0
 
 
 def spec_bandwidth(gpu_name: str | None) -> float | None:
@@ -61,6 +70,9 @@ class WorkloadResult:
     floor_us: float | None
     impls: dict[str, ImplResult] = field(default_factory=dict)
     copy_us: float | None = None   # the faster plain copy of the same bytes, timed like the op
+    # The size actually checked, where a reduced plan cut S or B (None: as listed).
+    checked_seq_len: int | None = None
+    checked_batch: int | None = None
 
 
 @dataclass
@@ -75,6 +87,9 @@ class BenchReport:
     workloads: list[WorkloadResult]
     environment: dict
     settings: dict
+    # Head geometry the checks ran at where a reduced plan cut it (None: the model's own).
+    checked_geometry: dict | None = None
+    complete: bool = True                      # False while running and after an interrupt
 
     def geomean(self, impl: str) -> float | None:
         return _geomean([w.impls[impl].median_us for w in self.workloads if impl in w.impls])
@@ -93,17 +108,16 @@ def _geomean(xs: list) -> float | None:
 
 
 def environment() -> dict:
-    import triton
+    from ..ops import _native, launch_route
 
     env = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "qkrope": __version__, "torch": torch.__version__, "triton": triton.__version__,
         "python": platform.python_version(), "command": " ".join(["qkrope"] + sys.argv[1:]),
+        "launch_route": launch_route(),
     }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        from ..ops import _native
-
         env.update(gpu=props.name, sms=props.multi_processor_count,
                    l2_bytes=getattr(props, "L2_cache_size", None),
                    cuda=torch.version.cuda, driver=_driver_version(),
@@ -135,6 +149,50 @@ def sweep_workloads(max_tokens: int = 16384, decode_max_batch: int = 4096,
     return prefill + decode
 
 
+@dataclass(frozen=True)
+class CheckPlan:
+    """What a run checks: each listed workload with the size it is checked at, and the head
+    geometry of the checks."""
+
+    geometry: ModelGeometry
+    workloads: tuple[tuple[Workload, Workload], ...]   # (listed, checked)
+    reduced: bool
+
+    def describe(self, model: ModelGeometry) -> str:
+        """One sentence for the output: what a reduced plan changed."""
+        if not self.reduced:
+            return "full sizes"
+        g, S, B = self.geometry, REDUCED_MAX_SEQ, REDUCED_MAX_BATCH
+        return (f"reduced sizes: {g.num_q_heads}/{g.num_kv_heads} heads instead of "
+                f"{model.num_q_heads}/{model.num_kv_heads} (head_dim {g.head_dim}, rope theta, "
+                f"eps, dtype kept), S over {S} cut to {S} + S mod {S}, B over {B} cut to {B} "
+                "(C and atol kept); --full checks the full sizes (hours in the interpreter)")
+
+
+def check_plan(workloads: Sequence[Workload], geometry: ModelGeometry,
+               reduced: bool) -> CheckPlan:
+    """The plan of a run: full sizes, or each workload's shape class at interpreter-sized
+    heads, tokens and batch (:func:`qkrope.suite.reduced_workload`, :func:`reduced_geometry`)."""
+    if not reduced:
+        return CheckPlan(geometry, tuple((w, w) for w in workloads), False)
+    return CheckPlan(reduced_geometry(geometry),
+                     tuple((w, reduced_workload(w)) for w in workloads), True)
+
+
+class Progress:
+    """What :func:`run_benchmark` reports as it goes; this base ignores it (the CLI draws a
+    progress bar)."""
+
+    def start(self, total: float, count: int) -> None:
+        """``count`` workloads of ``total`` work (arbitrary units) are about to run."""
+
+    def status(self, text: str) -> None:
+        """What runs now."""
+
+    def done(self, amount: float) -> None:
+        """One workload finished; it was ``amount`` of the work."""
+
+
 def _check(out, ref, atol) -> ImplResult:
     checks = check_outputs(out, ref, atol)
     return ImplResult(correct=all(c.ok for c in checks),
@@ -142,10 +200,19 @@ def _check(out, ref, atol) -> ImplResult:
                       max_abs_err=max(c.max_abs_err for c in checks))
 
 
+def _work(w: Workload, g: ModelGeometry, n_impls: int, timed: bool) -> float:
+    """Relative cost of one workload, for the progress bar's estimate of the time left."""
+    if timed:  # timing dominates: a fixed number of calls per implementation, plus the copies
+        return n_impls + 1.0
+    # The interpreter's cost grows with every (head, token) row of its power-of-two head tiles.
+    rows = triton.next_power_of_2(g.num_q_heads) + triton.next_power_of_2(g.num_kv_heads)
+    return (w.tokens + 8) * rows * n_impls + 1.0
+
+
 def run_benchmark(
     workloads: Sequence[Workload] = SUITE,
     geometry: ModelGeometry = DEFAULT_MODEL,
-    impls: Sequence[str] = ("qkrope", "torch.compile", "eager", "liger", "flashinfer"),
+    impls: Sequence[str] | None = None,
     *,
     iters: int = 50,
     warmup: int = 10,
@@ -154,26 +221,38 @@ def run_benchmark(
     benchmark_inputs: bool = False,
     cache_capacity: int | None = None,
     seed: int = 0,
-    progress: Callable[[str], None] | None = None,
+    progress: Progress | None = None,
     layout: str = "bhsd",
+    full_size: bool = False,
+    native_wait_s: float = NATIVE_WAIT_S,
+    on_update: Callable[[BenchReport], None] | None = None,
 ) -> BenchReport:
     """Check and (with CUDA) time ``impls`` on ``workloads``.
 
     ``cache_capacity`` is the cache length L of every workload; None gives each workload the
     smallest cache that holds its rows, ``C + S``. ``layout="paged"`` runs the token-major op
     with a paged cache (:data:`qkrope.suite.PAGED_SUITE` workloads) against the unfused serving
-    sequence.
+    sequence. Without CUDA only qkrope is checked (the others are only worth running to be
+    timed), at reduced sizes unless ``full_size``. ``on_update`` gets the report (``complete``
+    False) once before the first workload and after every workload, so a caller can keep
+    partial results.
     """
     lay = LAYOUTS[layout]
     timed = torch.cuda.is_available()
     device = "cuda" if timed else "cpu"
-    skipped = {}
-    if not timed:  # the interpreter checks the real kernel; the baselines only matter for timing
-        skipped = {n: "timing needs a CUDA GPU" for n in impls if n != "qkrope"}
-        impls = [n for n in impls if n == "qkrope"]
-    available, unavailable = resolve_impls(list(impls), layout)
-    skipped.update(unavailable)
-    tick = progress or (lambda msg: None)
+    progress = progress or Progress()
+    if impls is None:
+        impls = default_impls(layout, timed)
+    if timed:
+        available, skipped = resolve_impls(list(impls), layout)
+    else:  # peers are only worth running to be timed: not built, their own reason first
+        available, skipped = resolve_impls([n for n in impls if n == "qkrope"], layout)
+        for name in impls:
+            if name != "qkrope":
+                skipped[name] = peer_unavailable(name, layout) or (
+                    "checked and timed only on a CUDA GPU (without one, only qkrope's kernel is "
+                    "checked)")
+    plan = check_plan(workloads, geometry, reduced=not timed and not full_size)
 
     bandwidth = flush = add_host = add_one = None
     if timed:
@@ -183,35 +262,55 @@ def run_benchmark(
 
         # The eager fast path switches to its native helpers once they are built (once per
         # machine, in the background): wait for them, so every host time below measures the
-        # same path. A no-op with QKROPE_NATIVE=0.
-        tick("native fast-path helpers (a first build takes ~30 s; QKROPE_NATIVE=0 skips it)")
-        _native.load()
-        tick("measuring copy bandwidth and torch's host time per call")
+        # same path; bounded, so a stuck compiler costs a slower route, not the run. The
+        # route measured is in the report's environment. A no-op with QKROPE_NATIVE=0.
+        if _native.enabled() and _native.module() is None and native_wait_s > 0:
+            progress.status(f"waiting up to {native_wait_s:.0f} s for the native launch helpers "
+                            "(a first build takes ~30 s; QKROPE_NATIVE=0 skips it)")
+            _native.load(timeout=native_wait_s)
+        progress.status("measuring copy bandwidth and torch's host time per call")
         bandwidth = copy_bandwidth()
         flush = L2Flusher()
         x = torch.zeros(16, device="cuda")
         add_host = host_time_per_call_us(lambda: x.add_(1), host_calls)
         add_one = functools.partial(x.add_, 1)
 
+    report = BenchReport(
+        model=geometry.name, geometry=asdict(geometry), timed=timed, copy_bandwidth=bandwidth,
+        impls=list(available), skipped=skipped, add_host_us=add_host, workloads=[],
+        environment=environment(),
+        settings=dict(iters=iters, warmup=warmup, host_calls=host_calls, graphs=graphs,
+                      benchmark_inputs=benchmark_inputs, cache_capacity=cache_capacity,
+                      seed=seed, layout=layout, plan=plan.describe(geometry)),
+        checked_geometry=asdict(plan.geometry) if plan.reduced else None, complete=False)
+    notify = on_update or (lambda r: None)
+    notify(report)
+
+    g = plan.geometry
+    work = [_work(checked, g, len(available), timed) for _, checked in plan.workloads]
+    progress.start(sum(work), len(work))
     gen = torch.Generator(device=device).manual_seed(seed)
-    results = []
-    for idx, w in enumerate(workloads, 1):
-        nbytes = bytes_moved(w, geometry)
-        wr = WorkloadResult(idx, w.seq_len, w.cache_len, w.batch, w.atol, w.tokens, nbytes,
-                            nbytes / bandwidth * 1e6 if bandwidth else None)
-        L = cache_capacity or (None if layout == "paged" else w.cache_len + w.seq_len)
-        args = lay.make_inputs(w, geometry, device=device, cache_capacity=L, generator=gen,
-                               benchmark_weights=benchmark_inputs)
-        ref = lay.reference(args)
+    for idx, ((listed, w), amount) in enumerate(zip(plan.workloads, work), 1):
+        nbytes = bytes_moved(listed, geometry)
+        wr = WorkloadResult(idx, listed.seq_len, listed.cache_len, listed.batch, listed.atol,
+                            listed.tokens, nbytes, nbytes / bandwidth * 1e6 if bandwidth else None)
+        if w != listed:
+            wr.checked_seq_len, wr.checked_batch = w.seq_len, w.batch
+        if available:
+            progress.status(f"#{idx} {listed.name} inputs")
+            L = cache_capacity or (None if layout == "paged" else w.cache_len + w.seq_len)
+            args = lay.make_inputs(w, g, device=device, cache_capacity=L, generator=gen,
+                                   benchmark_weights=benchmark_inputs)
+            ref = lay.reference(args)
         if timed:
             from .timing import cupti_call_times_us, same_bytes_copies, summarize
 
-            tick(f"{w.name}: copies of the same bytes")
+            progress.status(f"#{idx} {w.name} copies")
             wr.copy_us = min(summarize(cupti_call_times_us(copy, flush, iters=iters,
                                                            warmup=warmup)).median
                              for copy in same_bytes_copies(nbytes)[2].values())
         for name, fn in available.items():
-            tick(f"{w.name}: {name}")
+            progress.status(f"#{idx} {listed.name} {name}")
             call_args = with_fresh_caches(args)
             try:
                 res = _check(fn(*call_args), ref, w.atol)
@@ -222,19 +321,21 @@ def run_benchmark(
                 res = ImplResult(error=f"{type(e).__name__}: {e}".splitlines()[0][:300])
             wr.impls[name] = res
             del call_args
-        results.append(wr)
-        del args, ref
+        report.workloads.append(wr)
+        if available:
+            del args, ref
         if timed:
             torch.cuda.empty_cache()
+        progress.done(amount)
+        notify(report)
 
-    return BenchReport(
-        model=geometry.name, geometry=asdict(geometry), timed=timed, copy_bandwidth=bandwidth,
-        impls=list(available), skipped=skipped, add_host_us=add_host, workloads=results,
-        environment=environment(),
-        settings=dict(iters=iters, warmup=warmup, host_calls=host_calls, graphs=graphs,
-                      benchmark_inputs=benchmark_inputs, cache_capacity=cache_capacity,
-                      seed=seed, layout=layout),
-    )
+    from ..ops import launch_route
+
+    route_now = launch_route()
+    if route_now != report.environment["launch_route"]:
+        report.environment["launch_route_at_end"] = route_now
+    report.complete = True
+    return report
 
 
 def _time_into(res: ImplResult, fn, args, flush, iters, warmup, host_calls, graphs,
@@ -268,11 +369,17 @@ def _status(r: ImplResult | None) -> str:
         return "—"
     if r.error:
         return "error"
-    return "pass" if r.correct else f"FAIL ({r.match_fraction:.1%})"
+    if r.correct is None:
+        return "—"
+    return "pass" if r.correct else f"FAIL ({_f(r.match_fraction, '{:.1%}')})"
 
 
-def render_markdown(report: BenchReport, main: str = "qkrope") -> str:
-    """The report as markdown: the per-workload table, geomeans, host/graph times, notes."""
+def render_markdown(report: BenchReport, main: str | None = None) -> str:
+    """The report as markdown: the per-workload table, geomeans, host/graph times, notes.
+    ``main``: the implementation the others are compared with (qkrope when it ran, else the
+    first that did)."""
+    if main is None:
+        main = "qkrope" if "qkrope" in report.impls or not report.impls else report.impls[0]
     lines = []
     env = report.environment
     layout = report.settings.get("layout", "bhsd")
@@ -281,13 +388,25 @@ def render_markdown(report: BenchReport, main: str = "qkrope") -> str:
                  f"({report.geometry['num_q_heads']}/{report.geometry['num_kv_heads']}/"
                  f"{report.geometry['head_dim']}) — torch {env['torch']}, triton {env['triton']}, "
                  f"qkrope {env['qkrope']}")
+    if env.get("launch_route"):
+        route = f"Launch route: {env['launch_route']}"
+        if env.get("launch_route_at_end"):
+            route += f"; at the end of the run: {env['launch_route_at_end']}"
+        lines.append("")
+        lines.append(route + ".")
+    if not report.complete:
+        lines.append("")
+        lines.append(f"Partial results: the run stopped after {len(report.workloads)} "
+                     "workload(s).")
     lines.append("")
     others = [n for n in report.impls if n != main]
     if report.timed:
         bw = report.copy_bandwidth
         lines.append(f"Copy bandwidth measured in this run: {bw / 1e12:.2f} TB/s (read + write); "
-                     f"floor = SPEC §4 bytes / that. Times: GPU µs per call (CUPTI, L2 flushed, "
-                     f"median of {report.settings['iters']}). copy µs: the faster of torch's copy "
+                     "floor = the bytes a call must move (Q, K read and written; V read; the K "
+                     "and V cache rows written; 16 B of indices per token) / that. Times: GPU µs "
+                     f"per call (CUPTI, L2 flushed, median of {report.settings['iters']}). "
+                     "copy µs: the faster of torch's copy "
                      "and a Triton streaming copy moving the same bytes (half read, half "
                      f"written), timed the same way; % of copy = that / {main} µs.")
         lines.append("")
@@ -348,17 +467,34 @@ def render_markdown(report: BenchReport, main: str = "qkrope") -> str:
             row += [_f(w.impls[n].graph_us) for n in report.impls]
             lines.append("| " + " | ".join(row) + " |")
     else:
+        plan = report.settings.get("plan", "full sizes")
         lines.append("No CUDA device: checked the real Triton kernel through Triton's interpreter "
-                     "against qkrope.reference (SPEC §2 rule, cache length C+S). "
+                     "against qkrope.reference (≥ 99% of the elements of each output within "
+                     "atol + 5%, none NaN/Inf"
+                     + ("; cache length C+S" if layout == "bhsd" else "") + f"), at {plan}. "
                      "Timing needs a CUDA GPU.")
         lines.append("")
-        lines.append("| # | S | C | B | tokens | atol | worst match | max abs err | correct |")
-        lines.append("|---|---|---|---|---|---|---|---|---|")
-        for w in report.workloads:
-            m = w.impls.get(main) or ImplResult()
-            lines.append(f"| {w.index} | {w.seq_len} | {w.cache_len} | {w.batch} | {w.tokens} | "
-                         f"{w.atol:g} | {_f(m.match_fraction, '{:.4%}')} | "
-                         f"{_f(m.max_abs_err, '{:.3g}')} | {_status(m)} |")
+        if main not in report.impls:
+            lines.append("Nothing checked: without a CUDA GPU only qkrope's kernel is checked, "
+                         "and qkrope is not in --impl.")
+        else:
+            cg = report.checked_geometry
+            lines.append("| # | S | C | B | checked at | atol | worst match | max abs err "
+                         "| correct |")
+            lines.append("|---|---|---|---|---|---|---|---|---|")
+            for w in report.workloads:
+                m = w.impls.get(main) or ImplResult()
+                at = []
+                if w.checked_seq_len not in (None, w.seq_len):
+                    at.append(f"S={w.checked_seq_len}")
+                if w.checked_batch not in (None, w.batch):
+                    at.append(f"B={w.checked_batch}")
+                if cg:
+                    at.append(f"{cg['num_q_heads']}/{cg['num_kv_heads']} heads")
+                lines.append(f"| {w.index} | {w.seq_len} | {w.cache_len} | {w.batch} | "
+                             f"{', '.join(at) or 'full size'} | {w.atol:g} | "
+                             f"{_f(m.match_fraction, '{:.4%}')} | "
+                             f"{_f(m.max_abs_err, '{:.3g}')} | {_status(m)} |")
     errors = [(w.index, n, r.error) for w in report.workloads for n, r in w.impls.items()
               if r.error]
     if errors:
@@ -370,13 +506,17 @@ def render_markdown(report: BenchReport, main: str = "qkrope") -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_json(report: BenchReport, path: str) -> None:
+def write_json(report: BenchReport, path: str | os.PathLike) -> None:
+    """Every number and the environment; replaced atomically, so a run stopped at any moment
+    leaves the last complete write (partial results have ``"complete": false``)."""
     data = asdict(report)
     data["geomean_us"] = {n: report.geomean(n) for n in report.impls}
     data["floor_geomean_us"] = report.floor_geomean()
     data["copy_geomean_us"] = report.copy_geomean()
-    with open(path, "w") as f:
+    tmp = f"{os.fspath(path)}.tmp"
+    with open(tmp, "w") as f:
         json.dump(data, f, indent=1)
+    os.replace(tmp, path)
 
 
 def write_plot(report: BenchReport, path: str) -> None:

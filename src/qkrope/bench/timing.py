@@ -1,4 +1,4 @@
-"""Timing per SPEC.md §3: GPU time of a call's kernels from CUPTI activity records, L2 flushed
+"""The timing protocol: GPU time of a call's kernels from CUPTI activity records, L2 flushed
 before every call, warm-ups, then order statistics; plus host time per eager call, CUDA-graph
 replay time and the device-to-device copy bandwidth that the floor is measured against.
 
@@ -65,7 +65,7 @@ def summarize(times_us: Sequence[float]) -> Stats:
 def split_calls(records: Sequence[KernelRecord], marker: str = FLUSH_KERNEL_NAME) -> list[float]:
     """Per-call GPU time in µs: records are cut into calls at each ``marker`` kernel (the L2
     flush launched before every call); a call spans its first record's start to its last
-    record's end, so gaps between several kernels of one call count (SPEC §3)."""
+    record's end, so gaps between several kernels of one call count."""
     calls: list[list[KernelRecord]] = []
     current: list[KernelRecord] | None = None
     for rec in sorted(records, key=lambda r: r.start_ns):

@@ -1,0 +1,367 @@
+"""The ``qkrope`` command line: --version, info, build-native, bench's requests, subsets,
+interrupts, help text, and the reduced plan a machine without CUDA checks."""
+
+import itertools
+import json
+import re
+import sys
+
+import pytest
+import torch
+import triton
+
+import qkrope
+from qkrope import cli
+from qkrope.bench import impls as bench_impls
+from qkrope.bench import runner
+from qkrope.cli import main
+from qkrope.ops import _native
+from qkrope.suite import DEFAULT_MODEL, MODELS, SUITE, Workload
+
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path of the CLI")
+
+
+def run(argv, capsys):
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+# ----------------------------------------------------------------------------------------------
+# --version, info, build-native
+# ----------------------------------------------------------------------------------------------
+def test_version_names_qkrope_torch_and_triton(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out.strip()
+    assert out == (f"qkrope {qkrope.__version__} (torch {torch.__version__}, "
+                   f"triton {triton.__version__})")
+
+
+def test_info_prints_key_value_lines(capsys):
+    rc, out, _ = run(["info"], capsys)
+    assert rc == 0
+    lines = out.strip().splitlines()
+    assert all(re.match(r"^[^:]+: .+$", line) for line in lines), lines
+    info = dict(line.split(": ", 1) for line in lines)
+    assert info["qkrope version"] == qkrope.__version__
+    assert info["torch version"] == torch.__version__
+    assert info["Triton version"] == triton.__version__
+    assert info["launch route"] == qkrope.ops.launch_route()
+    assert info["native status"] == _native.status()
+    assert info["native enabled"] == str(_native.enabled())
+    if torch.cuda.is_available():
+        assert info["GPU 0"].startswith(torch.cuda.get_device_name(0))
+    else:
+        assert info["GPU"] == "none" and info["CUDA available"] == "False"
+        assert info["Triton interpreter"].startswith("on (TRITON_INTERPRET=1")
+        assert info["launch route"].startswith("interpreter")
+
+
+def test_info_json_and_native_description(monkeypatch, capsys):
+    # _native.describe(): one "native KEY: value" line each.
+    monkeypatch.setattr(_native, "describe", lambda: {"cache": "/tmp/ext", "compiler": "c++"})
+    rc, out, _ = run(["info", "--json"], capsys)
+    data = json.loads(out)
+    assert rc == 0 and data["native"] == {"cache": "/tmp/ext", "compiler": "c++"}
+    assert data["cuda_available"] is torch.cuda.is_available()
+    assert data["launch_route"] == qkrope.ops.launch_route()
+    rc, out, _ = run(["info"], capsys)
+    assert "native cache: /tmp/ext\n" in out and "native compiler: c++\n" in out
+
+
+@pytest.mark.parametrize("ok, rc", [(True, 0), (False, 1)])
+def test_build_native_reports_path_or_reason(monkeypatch, capsys, ok, rc):
+    seen = []
+
+    def build(timeout):
+        seen.append(timeout)
+        return ok, "/cache/qkrope_native.so" if ok else "no C++ compiler found"
+
+    monkeypatch.setattr(_native, "build", build)
+    code, out, _ = run(["build-native", "--timeout", "12.5"], capsys)
+    assert code == rc and seen == [12.5]
+    assert out == ("native launch helpers: built: /cache/qkrope_native.so\n" if ok else
+                   "native launch helpers: not built: no C++ compiler found\n")
+
+
+# ----------------------------------------------------------------------------------------------
+# help
+# ----------------------------------------------------------------------------------------------
+def _help(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        main(argv + ["--help"])
+    assert e.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_help_is_self_contained(capsys):
+    text = _help([], capsys) + _help(["bench"], capsys) + _help(["info"], capsys) \
+        + _help(["build-native"], capsys)
+    flat = " ".join(text.split())
+    assert "SPEC" not in text and "§" not in text
+    assert "S new tokens per sequence" in flat
+    assert "after C tokens already in the KV cache" in flat
+    assert "for a batch of B sequences" in flat
+    assert "Correctness rule:" in flat and "at least 99% of the elements" in flat
+    assert "Timing protocol" in flat and "median of 50" in flat
+    assert "S over 32 becomes 32 + S mod 32, B over 8 becomes 8" in flat  # the CPU plan
+    assert "96/8 becomes 6/2" in flat
+    assert all(f"{w.seq_len},{w.cache_len},{w.batch}" in text for w in SUITE)
+    for command in ("bench", "info", "build-native"):
+        assert command in text
+
+
+def test_every_option_has_help():
+    parser = cli.build_parser()
+    subparsers = next(a for a in parser._actions if a.dest == "command").choices
+    for p in [parser, *subparsers.values()]:
+        for action in p._actions:
+            if action.dest != "command":
+                assert action.help and len(action.help) > 10, (p.prog, action.dest)
+
+
+def test_bench_list_prints_the_suite_and_implementations(capsys):
+    rc, out, _ = run(["bench", "--list"], capsys)
+    assert rc == 0
+    for k, w in enumerate(SUITE, 1):
+        assert re.search(rf"^\s*{k}\s+{w.seq_len}\s+{w.cache_len}\s+{w.batch}\s+{w.tokens}\s+"
+                         rf"{w.atol:g}$", out, re.M)
+    for name in bench_impls.IMPLS:
+        assert f"  {name} " in out
+    assert "flashinfer" in out and "no FlashInfer adapter" in out
+
+
+# ----------------------------------------------------------------------------------------------
+# bench: requests checked before any work
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture
+def no_work(monkeypatch):
+    """Fails the test if the benchmark starts."""
+
+    def boom(*a, **k):
+        raise AssertionError("the benchmark started")
+
+    monkeypatch.setattr(runner, "run_benchmark", boom)
+    monkeypatch.setattr("qkrope.bench.run_benchmark", boom)
+
+
+def test_plot_without_matplotlib_fails_before_any_work(monkeypatch, capsys, no_work, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    rc, out, err = run(["bench", "--plot", str(tmp_path / "p.png")], capsys)
+    assert rc == 2 and out == ""
+    assert err == ("qkrope bench: error: --plot needs matplotlib: pip install 'qkrope[plot]' "
+                   "(or drop --plot)\n")
+
+
+@cpu_only
+def test_plot_without_a_gpu_fails_before_any_work(capsys, no_work, tmp_path):
+    pytest.importorskip("matplotlib")
+    rc, _, err = run(["bench", "--plot", str(tmp_path / "p.png")], capsys)
+    assert rc == 2 and "timing needs a CUDA GPU" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--impl", "qkrope,triton"], "--impl: unknown implementation 'triton'"),
+    (["--impl", " , "], "--impl: no implementation named"),
+    (["--shape", "1,0,1", "--sweep"], "--shape and --sweep both choose the workloads"),
+    (["--json", "/no/such/folder/r.json"], "--json /no/such/folder/r.json: folder /no/such/folder"),
+])
+def test_bad_requests_exit_two_before_any_work(capsys, no_work, argv, message):
+    rc, _, err = run(["bench"] + argv, capsys)
+    assert rc == 2 and message in err
+
+
+def test_default_impls_name_only_what_can_run():
+    gpu = bench_impls.default_impls("bhsd", timed=True)
+    assert gpu[:3] == ["qkrope", "torch.compile", "eager"] and "flashinfer" not in gpu
+    assert ("liger" in gpu) == (bench_impls.IMPLS["liger"].unavailable() is None)
+    assert bench_impls.default_impls("paged", timed=True) == ["qkrope", "torch.compile", "eager"]
+    assert bench_impls.default_impls("bhsd", timed=False) == ["qkrope"]
+    assert "no FlashInfer adapter" in bench_impls.peer_unavailable("flashinfer")
+    assert bench_impls.peer_unavailable("liger", "paged") == "no paged adapter"
+
+
+# ----------------------------------------------------------------------------------------------
+# bench on CPU: subsets, interrupts, the reduced plan
+# ----------------------------------------------------------------------------------------------
+SUBSETS = [c for n in range(1, len(bench_impls.IMPLS) + 1)
+           for c in itertools.combinations(bench_impls.IMPLS, n)]
+
+
+@cpu_only
+@pytest.mark.parametrize("subset", SUBSETS, ids=",".join)
+def test_every_impl_subset_runs_on_cpu(capsys, tmp_path, subset):
+    # One decode token on qwen3-0.6b's heads (reduced to 4/2): the interpreter's smallest job.
+    rc, out, _ = run(["bench", "--impl", ",".join(subset), "--shape", "1,7,2",
+                      "--model", "qwen3-0.6b", "--json", str(tmp_path / "r.json")], capsys)
+    assert rc == 0
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["complete"] is True
+    assert set(data["skipped"]) == set(subset) - {"qkrope"}
+    for name in set(subset) - {"qkrope"}:
+        assert f"- skipped {name}: " in out
+    if "flashinfer" in subset:
+        assert "- skipped flashinfer: qkrope has no FlashInfer adapter yet" in out
+    if "qkrope" in subset:
+        assert data["impls"] == ["qkrope"] and out.count("| pass |") == 1
+        assert data["workloads"][0]["impls"]["qkrope"]["correct"] is True
+    else:
+        assert data["impls"] == [] and "Nothing checked" in out
+
+
+@cpu_only
+def test_ctrl_c_exits_130_and_keeps_partial_json(monkeypatch, capsys, tmp_path):
+    checks = []
+    real_check = runner._check
+
+    def check_then_interrupt(*args):
+        checks.append(1)
+        if len(checks) == 2:  # during the second workload
+            raise KeyboardInterrupt
+        return real_check(*args)
+
+    monkeypatch.setattr(runner, "_check", check_then_interrupt)
+    path = tmp_path / "partial.json"
+    rc, out, err = run(["bench", "--shape", "1,0,1", "--shape", "1,3,2", "--shape", "2,0,1",
+                        "--model", "qwen3-0.6b", "--json", str(path)], capsys)
+    assert rc == 130 and out == ""
+    assert err.strip().splitlines()[-1] == f"interrupted; partial results written to {path}"
+    data = json.loads(path.read_text())
+    assert data["complete"] is False and len(data["workloads"]) == 1
+    assert data["workloads"][0]["impls"]["qkrope"]["correct"] is True
+
+
+@cpu_only
+def test_ctrl_c_without_json_is_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(runner, "_check", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
+    rc, out, err = run(["bench", "--shape", "1,0,1", "--model", "qwen3-0.6b"], capsys)
+    assert rc == 130 and out == "" and err.strip().splitlines()[-1] == "interrupted"
+    assert "Traceback" not in err
+
+
+def test_ctrl_c_in_other_commands_exits_130(monkeypatch, capsys):
+    def interrupted(timeout):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_native, "build", interrupted)
+    rc, _, err = run(["build-native"], capsys)
+    assert rc == 130 and err == "interrupted\n"
+
+
+def test_cpu_plan_covers_every_suite_workloads_shape_class():
+    plan = runner.check_plan(SUITE, DEFAULT_MODEL, reduced=True)
+    assert plan.reduced and [listed for listed, _ in plan.workloads] == list(SUITE)
+    for listed, checked in plan.workloads:
+        assert checked.cache_len == listed.cache_len and checked.atol == listed.atol
+        assert checked.batch == listed.batch  # no suite batch is cut
+        assert (checked.seq_len == 1) == (listed.seq_len == 1)  # decode stays decode
+        assert checked.seq_len % 32 == listed.seq_len % 32  # the same partial token tile
+        assert checked.seq_len <= listed.seq_len and checked.seq_len < 64
+    g = plan.geometry
+    assert (g.head_dim, g.rope_theta, g.rms_norm_eps) == (128, 1e7, 1e-6)
+    assert (g.num_q_heads, g.num_kv_heads) == (6, 2)
+    for model in MODELS.values():
+        r = runner.check_plan(SUITE, model, reduced=True).geometry
+        assert r.num_q_heads % r.num_kv_heads == 0 and r.num_q_heads > r.num_kv_heads >= 2
+        assert r.head_dim == model.head_dim and r.num_q_heads <= model.num_q_heads
+    # The interpreter's cost is one unit per (head, token) row of its power-of-two head
+    # tiles (~6 ms each on two cores): the plan stays a minute or two of work.
+    rows = sum(c.tokens for _, c in plan.workloads) * (triton.next_power_of_2(g.num_q_heads)
+                                                       + triton.next_power_of_2(g.num_kv_heads))
+    assert rows <= 10_000
+    full = runner.check_plan(SUITE, DEFAULT_MODEL, reduced=False)
+    assert not full.reduced and full.geometry == DEFAULT_MODEL
+    assert all(a == b for a, b in full.workloads)
+
+
+@cpu_only
+def test_default_cpu_bench_runs_the_reduced_suite(monkeypatch, capsys):
+    # `qkrope bench` with no arguments on CPU: the suite, qkrope only, reduced (asserted on the
+    # call, not by running the whole suite here).
+    calls = []
+
+    def record(workloads, geometry, impls, **kw):
+        calls.append((list(workloads), geometry, impls, kw))
+        raise KeyboardInterrupt  # stop here
+
+    monkeypatch.setattr("qkrope.bench.run_benchmark", record)
+    rc, _, err = run(["bench"], capsys)
+    assert rc == 130
+    (workloads, geometry, impls, kw), = calls
+    assert workloads == list(SUITE) and geometry == DEFAULT_MODEL and impls == ["qkrope"]
+    assert kw["full_size"] is False
+    assert "reduced sizes: 6/2 heads instead of 96/8" in " ".join(err.split())
+
+
+@cpu_only
+def test_cpu_run_cuts_sequence_batch_and_heads_and_says_so(capsys, tmp_path):
+    path = tmp_path / "r.json"
+    rc, out, _ = run(["bench", "--shape", "65,2,1", "--shape", "1,5,9", "--model", "qwen3-0.6b",
+                      "--json", str(path)], capsys)
+    assert rc == 0
+    assert "| 1 | 65 | 2 | 1 | S=33, 4/2 heads |" in out
+    assert "| 2 | 1 | 5 | 9 | B=8, 4/2 heads |" in out
+    assert "reduced sizes: 4/2 heads instead of 16/8" in out
+    data = json.loads(path.read_text())
+    assert data["checked_geometry"]["num_q_heads"] == 4
+    assert data["geometry"]["num_q_heads"] == 16
+    w1, w2 = data["workloads"]
+    assert (w1["seq_len"], w1["checked_seq_len"], w2["batch"], w2["checked_batch"]) == (65, 33, 9, 8)
+    assert all(w["impls"]["qkrope"]["correct"] for w in data["workloads"])
+
+
+@cpu_only
+def test_full_flag_checks_full_sizes_on_cpu(capsys, tmp_path):
+    path = tmp_path / "r.json"
+    rc, out, _ = run(["bench", "--full", "--shape", "2,1,1", "--model", "qwen3-0.6b",
+                      "--json", str(path)], capsys)
+    assert rc == 0 and "| 1 | 2 | 1 | 1 | full size |" in out and "at full sizes" in out
+    assert json.loads(path.read_text())["checked_geometry"] is None
+
+
+@cpu_only
+def test_progress_reports_count_and_weighted_work():
+    events = []
+
+    class Record(runner.Progress):
+        def start(self, total, count):
+            events.append(("start", total, count))
+
+        def done(self, amount):
+            events.append(("done", amount))
+
+    ws = [Workload(1, 0, 1), Workload(3, 2, 2)]
+    report = runner.run_benchmark(ws, MODELS["qwen3-0.6b"], ["qkrope"], progress=Record())
+    assert report.complete and len(report.workloads) == 2
+    (_, total, count), *dones = events
+    assert count == 2 and [e[0] for e in dones] == ["done", "done"]
+    assert sum(e[1] for e in dones) == pytest.approx(total)
+    assert dones[1][1] > dones[0][1]  # six tokens weigh more than one
+
+
+def test_bench_waits_for_the_native_helpers_at_most_the_bound(monkeypatch):
+    # The GPU path's wait (issue 16 item 3), without a GPU: everything after it stubbed out.
+    waits = []
+    monkeypatch.setattr(runner.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(_native, "enabled", lambda: True)
+    monkeypatch.setattr(_native, "module", lambda: None)
+    monkeypatch.setattr(_native, "load", lambda timeout=None, force=False: waits.append(timeout))
+
+    class Stop(Exception):
+        pass
+
+    def stop(*a, **k):
+        raise Stop
+
+    from qkrope.bench import timing
+
+    monkeypatch.setattr(timing, "copy_bandwidth", stop)
+    with pytest.raises(Stop):
+        runner.run_benchmark([Workload(1, 0, 1)], impls=["eager"], native_wait_s=42.0)
+    assert waits == [42.0]
+    waits.clear()
+    with pytest.raises(Stop):
+        runner.run_benchmark([Workload(1, 0, 1)], impls=["eager"], native_wait_s=0)
+    assert waits == []
