@@ -13,7 +13,9 @@ Each version runs in its own worker process (its own ``qkrope`` package: the rev
 ``src/`` from ``git archive``, or the working tree's), so versions whose launchers take other
 arguments compare fairly. Rounds alternate old, new, old, new...; per row the medians of all
 calls of each version are compared. GPU time: the SPEC protocol (CUPTI, L2 flushed before
-every call); host time: back-to-back eager calls with outputs allocated (native route).
+every call); host time: back-to-back eager calls with outputs allocated (native route), as a
+multiple of ``x.add_(1)`` timed alternately in the same process (absolute host µs drift by 1.5x
+between processes on a shared host).
 """
 
 import argparse
@@ -28,7 +30,7 @@ import tempfile
 
 WORKER = r"""
 import json, sys, torch, qkrope
-from qkrope.bench.timing import L2Flusher, cupti_call_times_us, host_time_per_call_us
+from qkrope.bench.timing import L2Flusher, cupti_call_times_us, host_times_beside_us
 from qkrope.suite import SUITE, PAGED_SUITE, make_inputs, make_paged_inputs
 from qkrope.ops import _native
 rows, iters, host_calls = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3])
@@ -45,8 +47,11 @@ for r in rows:
         op = qkrope.run
     qo, ko = torch.empty_like(a[0]), torch.empty_like(a[1])
     gpu = cupti_call_times_us(lambda: op(*a, query_out=qo, key_out=ko), flush, iters=iters)
-    host = host_time_per_call_us(lambda: op(*a), calls=host_calls) if host_calls else None
-    out[r] = dict(gpu=gpu, host=host)
+    host = ratio = None
+    if host_calls:  # beside x.add_(1), alternating: a shared host drifts between processes
+        x = torch.zeros(1, device="cuda")
+        host, _, ratio = host_times_beside_us(lambda: op(*a), lambda: x.add_(1), calls=host_calls)
+    out[r] = dict(gpu=gpu, host=host, host_per_add=ratio)
 print("RESULT " + json.dumps(dict(rows=out, route=_native.status(), triton=__import__("triton").__version__)))
 """
 
@@ -111,7 +116,7 @@ def main() -> None:
           f"tree ({runs['new'][0]['route']}){''.join(f', {n}' for n in extra)} | {args.rounds} "
           f"rounds x {args.iters} calls, interleaved")
     print("| row | old µs | new µs | new/old | " + "".join(f"{n}/old | " for n in extra)
-          + "old host µs | new host µs | host new/old |\n|---|---|---|---|"
+          + "old host ×add_ | new host ×add_ | host new/old |\n|---|---|---|---|"
           + "---|" * len(extra) + "---|---|---|")
     logs = {n: 0.0 for n in versions}
     suite_rows = [r for r in rows if not r.startswith("p")]
@@ -119,7 +124,7 @@ def main() -> None:
     for r in rows:
         med = {n: statistics.median(t for run in runs[n] for t in run["rows"][r]["gpu"])
                for n in versions}
-        host = {n: statistics.median(run["rows"][r]["host"] for run in runs[n])
+        host = {n: statistics.median(run["rows"][r]["host_per_add"] for run in runs[n])
                 if runs[n][0]["rows"][r]["host"] is not None else math.nan for n in versions}
         if r in suite_rows:
             for n in logs:

@@ -277,7 +277,7 @@ def test_hot_path_picks_up_the_finished_build(with_in_flight):
     # load of the same name from another directory, so only the cache entry is checked here.)
     assert _native._verified_sha(so) is not None and not so.read_bytes().startswith(b"\x7fELF not")
     t = torch.randn(4, 8)
-    assert _native.signature_fn()(t)[1] == [t.data_ptr()]
+    assert _native.signature_fn()(b"", t)[1] == [t.data_ptr()]
     assert private_dirs(cache) == []
 
 
