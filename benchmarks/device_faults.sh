@@ -4,9 +4,10 @@
 # the GPU tests run twice: the first builds the helper again (nothing left behind may block it),
 # the second finds it cached.
 #
-#     bash benchmarks/device_faults.sh [OUT_DIR]
+#     bash benchmarks/device_faults.sh [OUT_DIR] [RUNS]     # RUNS: how many test runs (2)
 set -uo pipefail
 out=${1:-/tmp/qkrope-faults}
+runs=${2:-2}
 mkdir -p "$out"
 cache=$(python3 -c "from qkrope.ops import _native; print(_native.cache_path().parent)")
 echo "== native cache: $cache"; ls -la "$cache" 2>/dev/null
@@ -32,10 +33,10 @@ sleep 1
 echo "-- left behind:"; ls -la "$cache" "$cache"/* 2>/dev/null | head -30
 python3 -c "from qkrope.ops import _native; print('status after the kill:', _native.status())"
 
-for run in 1 2; do
+for run in $(seq "$runs"); do
   echo "== $((run + 1)). GPU tests, run $run"
   start=$(date +%s)
-  python3 -m pytest tests/ -q -x -p no:cacheprovider 2>&1 | tee "$out/pytest-run$run.log" | tail -15
+  timeout "${PYTEST_TIMEOUT:-900}" python3 -m pytest tests/ -q -p no:cacheprovider --durations=15 2>&1 | tee "$out/pytest-run$run.log" | tail -40
   echo "run $run: rc=${PIPESTATUS[0]}, $(( $(date +%s) - start )) s"
 done
 ls -la "$cache"

@@ -52,12 +52,16 @@ def assert_passed(rc, out, world, device):
     assert "MISMATCH" not in out
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU (gloo, interpreter) runs; a GPU "
+                    "machine runs test_one_gpu_process instead")
 def test_two_cpu_ranks_on_gloo():
     rc, out = torchrun(2, "--device", "cpu", "--batch", "2")
     assert_passed(rc, out, 2, "cpu")
     assert "heads 4/2 (2/1 per rank)" in out
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU (gloo, interpreter) runs; a GPU "
+                    "machine runs test_one_gpu_process instead")
 def test_a_patch_that_corrupts_the_cache_fails_the_run(tmp_path):
     # Adds 1 to every value-cache entry after each fused call: the script must see each rank's
     # cache differ from the stock one and exit non-zero on every rank.
@@ -83,6 +87,8 @@ runpy.run_path({str(SCRIPT)!r}, run_name="__main__")
     assert "OK:" not in out
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU (gloo, interpreter) runs; a GPU "
+                    "machine runs test_one_gpu_process instead")
 def test_qk_norm_weights_kept_as_dtensors():
     # Older transformers' TP kept the replicated q_norm/k_norm weights as DTensors; the patch
     # must hand the kernel their local tensors (the op refuses a DTensor by name; the script
