@@ -234,3 +234,31 @@ def test_cli_gpu_runs_impl_subsets(capsys, subset):
         assert f"| {main_impl} µs |" in out
     if "flashinfer" in subset:
         assert "- skipped flashinfer: qkrope has no FlashInfer adapter yet" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path of the CLI")
+@pytest.mark.parametrize("layout", ["bhsd", "paged"])
+def test_partial_rotary_presets_reach_every_impl_and_the_reference(monkeypatch, capsys, layout):
+    """A geometry with op options (Qwen3.5: a quarter rotated, (1 + w) norms) is checked with
+    them: an implementation that ignored them fails the rule."""
+    from qkrope.bench import impls
+    from qkrope.suite import MODELS
+
+    assert MODELS["qwen3.5-27b"].options() == {"rotary_dim": 64, "norm_weight_offset": 1.0}
+    assert main(["bench", "--layout", layout, "--shape", "3,1,2", "--model", "qwen3.5-27b"]) == 0
+    assert "| pass |" in capsys.readouterr().out
+    registry = impls.LAYOUTS[layout].impls
+    real = registry["qkrope"].build()
+
+    def ignores_options(*args, **options):  # the op at full rotary, plain weights
+        return real(*args)
+
+    monkeypatch.setitem(registry, "qkrope", impls.Impl("qkrope", "x", lambda: ignores_options))
+    assert main(["bench", "--layout", layout, "--shape", "3,1,2", "--model", "qwen3.5-27b"]) == 1
+
+
+def test_impls_without_options_are_skipped_for_such_presets():
+    from qkrope.bench.impls import resolve_impls
+
+    available, skipped = resolve_impls(["liger", "eager"], "bhsd", {"rotary_dim": 64})
+    assert "liger" in skipped and "rotary_dim" in skipped["liger"] and "eager" in available

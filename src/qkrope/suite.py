@@ -72,15 +72,37 @@ class ModelGeometry:
     rope_theta: float = 1e7
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 262144
+    rotary_dim: int | None = None        # partial rotary (Qwen3.5 / Qwen3-Next: head_dim / 4)
+    norm_weight_offset: float = 0.0      # (1 + w) norms (Qwen3.5 / Qwen3-Next)
+
+    def options(self) -> dict:
+        """The op keywords this geometry needs beyond the eleven arguments (none for Qwen3)."""
+        out = {}
+        if self.rotary_dim is not None and self.rotary_dim != self.head_dim:
+            out["rotary_dim"] = self.rotary_dim
+        if self.norm_weight_offset:
+            out["norm_weight_offset"] = self.norm_weight_offset
+        return out
 
 
+# Attention geometry of each model's full-attention layers, from its published config.
 MODELS: dict[str, ModelGeometry] = {
     m.name: m
     for m in (
         ModelGeometry("qwen3-coder-480b", 96, 8, 128, 1e7, 1e-6, 262144),
         ModelGeometry("qwen3-235b", 64, 4, 128, 1e6, 1e-6, 40960),
+        ModelGeometry("qwen3-32b", 64, 8, 128, 1e6, 1e-6, 40960),
         ModelGeometry("qwen3-8b", 32, 8, 128, 1e6, 1e-6, 40960),
         ModelGeometry("qwen3-0.6b", 16, 8, 128, 1e6, 1e-6, 40960),
+        # Qwen3-VL-8B's text decoder; the suite's positions are text tokens (the three mRoPE
+        # streams equal), so its interleaved mRoPE reduces to plain RoPE here.
+        ModelGeometry("qwen3-vl-8b", 32, 8, 128, 5e6, 1e-6, 262144),
+        # Qwen3.5 (transformers' Qwen3_5TextConfig defaults, Qwen3.5-27B) and Qwen3-Next-80B
+        # full-attention layers: heads of 256, a quarter of each rotated, (1 + w) norm weights.
+        ModelGeometry("qwen3.5-27b", 16, 4, 256, 1e7, 1e-6, 262144, rotary_dim=64,
+                      norm_weight_offset=1.0),
+        ModelGeometry("qwen3-next-80b", 16, 2, 256, 1e7, 1e-6, 262144, rotary_dim=64,
+                      norm_weight_offset=1.0),
     )
 }
 DEFAULT_MODEL = MODELS["qwen3-coder-480b"]
@@ -134,7 +156,7 @@ def make_inputs(
     rows = torch.arange(C, C + S, device=device, dtype=torch.int64)
     position_ids = rows[None, :].expand(B, S)
     q_w, k_w = _norm_weights(D, benchmark_weights, randn, device, dtype)
-    inv_freq = rope_inv_freq(D, geometry.rope_theta, device=device)
+    inv_freq = rope_inv_freq(geometry.rotary_dim or D, geometry.rope_theta, device=device)
     return (query, key, value, position_ids, key_cache, value_cache, rows, q_w, k_w, inv_freq,
             geometry.rms_norm_eps)
 
@@ -174,7 +196,7 @@ def make_paged_inputs(
     key_cache = randn(num_blocks, PAGED_BLOCK_SIZE, Hkv, D)
     value_cache = randn(num_blocks, PAGED_BLOCK_SIZE, Hkv, D)
     q_w, k_w = _norm_weights(D, benchmark_weights, randn, device, dtype)
-    inv_freq = rope_inv_freq(D, geometry.rope_theta, device=device)
+    inv_freq = rope_inv_freq(geometry.rotary_dim or D, geometry.rope_theta, device=device)
     return (query, key, value, positions, key_cache, value_cache, slots, q_w, k_w, inv_freq,
             geometry.rms_norm_eps)
 

@@ -31,6 +31,8 @@ class Impl:
     build: Callable[[], OpFn]     # returns the callable; raises ImportError when unavailable
     # Why it cannot run on this machine (cheap: no import of the peer), or None when it can.
     unavailable: Callable[[], str | None] = lambda: None
+    # Takes the op's keywords (partial rotary, (1 + w) norms) that some geometries need.
+    takes_options: bool = True
 
 
 def _eager_reference() -> OpFn:
@@ -99,7 +101,8 @@ IMPLS: dict[str, Impl] = {
         Impl("torch.compile", "torch.compile(reference, dynamic=False), in place",
              _compiled_reference),
         Impl("eager", "eager PyTorch reference, in place", _eager_reference),
-        Impl("liger", "Liger-Kernel RMSNorm + RoPE + index_copy_", _liger, _liger_unavailable),
+        Impl("liger", "Liger-Kernel RMSNorm + RoPE + index_copy_", _liger, _liger_unavailable,
+             takes_options=False),
         Impl("flashinfer", "FlashInfer (no adapter yet: always skipped, with the reason)",
              _flashinfer, _flashinfer_unavailable),
     )
@@ -109,8 +112,8 @@ IMPLS: dict[str, Impl] = {
 def _paged_outputs(op: OpFn) -> OpFn:
     """The paged op with the caches appended to its outputs, as the checks compare four."""
 
-    def run(*args):
-        return (*op(*args), args[4], args[5])
+    def run(*args, **options):
+        return (*op(*args, **options), args[4], args[5])
 
     return run
 
@@ -143,7 +146,7 @@ class Layout:
 
     name: str
     make_inputs: Callable[..., tuple]
-    reference: Callable[[tuple], tuple]
+    reference: Callable[..., tuple]     # (args, **op options) -> outputs, fresh caches
     impls: dict[str, Impl]
 
 
@@ -154,12 +157,12 @@ def with_fresh_caches(args: tuple) -> tuple:
     return tuple(args)
 
 
-def _paged_reference(args: tuple) -> tuple:
-    return qknorm_rope_paged_ref(*args)  # fresh caches
+def _paged_reference(args: tuple, **options) -> tuple:
+    return qknorm_rope_paged_ref(*args, **options)  # fresh caches
 
 
 LAYOUTS: dict[str, Layout] = {
-    "bhsd": Layout("bhsd", make_inputs, lambda a: qknorm_rope_cache_ref(*a),  # fresh caches
+    "bhsd": Layout("bhsd", make_inputs, lambda a, **o: qknorm_rope_cache_ref(*a, **o),  # fresh
                    IMPLS),
     "paged": Layout("paged", make_paged_inputs, _paged_reference, PAGED_IMPLS),
 }
@@ -186,9 +189,10 @@ def peer_unavailable(name: str, layout: str = "bhsd") -> str | None:
     return f"no {layout} adapter" if impl is None else impl.unavailable()
 
 
-def resolve_impls(names: list[str], layout: str = "bhsd"
+def resolve_impls(names: list[str], layout: str = "bhsd", options: dict | None = None
                   ) -> tuple[dict[str, OpFn], dict[str, str]]:
-    """Build the requested implementations; returns ``(available, skipped_with_reason)``."""
+    """Build the requested implementations, each called with the geometry's op ``options``;
+    returns ``(available, skipped_with_reason)``."""
     registry = LAYOUTS[layout].impls
     available, skipped = {}, {}
     for name in names:
@@ -196,8 +200,13 @@ def resolve_impls(names: list[str], layout: str = "bhsd"
         if name not in registry:
             skipped[name] = f"no {layout} adapter"
             continue
+        if options and not registry[name].takes_options:
+            skipped[name] = f"does not support {', '.join(sorted(options))}"
+            continue
         try:
-            available[name] = registry[name].build()
+            fn = registry[name].build()
         except ImportError as e:
             skipped[name] = str(e)
+            continue
+        available[name] = functools.partial(fn, **options) if options else fn
     return available, skipped

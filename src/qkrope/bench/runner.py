@@ -243,10 +243,11 @@ def run_benchmark(
     progress = progress or Progress()
     if impls is None:
         impls = default_impls(layout, timed)
+    options = geometry.options()
     if timed:
-        available, skipped = resolve_impls(list(impls), layout)
+        available, skipped = resolve_impls(list(impls), layout, options)
     else:  # peers are only worth running to be timed: not built, their own reason first
-        available, skipped = resolve_impls([n for n in impls if n == "qkrope"], layout)
+        available, skipped = resolve_impls([n for n in impls if n == "qkrope"], layout, options)
         for name in impls:
             if name != "qkrope":
                 skipped[name] = peer_unavailable(name, layout) or (
@@ -301,7 +302,7 @@ def run_benchmark(
             L = cache_capacity or (None if layout == "paged" else w.cache_len + w.seq_len)
             args = lay.make_inputs(w, g, device=device, cache_capacity=L, generator=gen,
                                    benchmark_weights=benchmark_inputs)
-            ref = lay.reference(args)
+            ref = lay.reference(args, **options)
         if timed:
             from .timing import cupti_call_times_us, same_bytes_copies, summarize
 
