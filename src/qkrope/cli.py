@@ -58,10 +58,10 @@ in a replayed CUDA graph, and the bandwidth floor: the bytes a call must move di
 device-to-device copy bandwidth measured in the same run.
 
 Without a CUDA GPU nothing is timed: qkrope's Triton kernel is checked through Triton's CPU
-interpreter at reduced sizes, as the full suite takes hours there. Each workload keeps its shape
-class (its C and atol, decode or prefill, S modulo {_S}): S over {_S} becomes {_S} + S mod {_S}, B over
-{_B} becomes {_B}, and the heads shrink ({_REDUCED_EXAMPLE}; head_dim kept). This takes a minute or
-two; --full checks the full sizes."""
+interpreter at reduced sizes. Each workload keeps its shape class (its C and atol, decode or
+prefill, S modulo {_S}): S over {_S} becomes {_S} + S mod {_S}, B over {_B} becomes {_B}, and the
+heads shrink ({_REDUCED_EXAMPLE}; head_dim kept). This takes seconds; --full checks the full sizes
+(a minute or two on two cores)."""
 
 BENCH_EPILOG = f"""\
 exit status: 0 when every qkrope check passes (a failing peer is only reported), 1 when a
@@ -151,7 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "unfused serving sequence")
     b.add_argument("--full", action="store_true",
                    help="without a CUDA GPU, check the full sizes instead of the reduced ones "
-                        "(hours in Triton's interpreter); a GPU always runs full sizes")
+                        "(a minute or two on 2 cores in Triton's interpreter); a GPU always "
+                        "runs full sizes")
     b.add_argument("--iters", type=_positive_int, default=50, metavar="N",
                    help="timed calls per measurement (default 50)")
     b.add_argument("--warmup", type=_positive_int, default=10, metavar="N",

@@ -250,8 +250,8 @@ REDUCED_MAX_BATCH = 8
 def reduced_workload(workload: Workload) -> Workload:
     """The workload's shape class at a size Triton's CPU interpreter checks in seconds.
 
-    The interpreter's cost grows with every (head, token) row, so the full suite takes hours
-    there. Kept: C (so the same positions start the rotation and the same cache rows start
+    The interpreter's cost grows with every (head, token) row (the full suite takes a minute or
+    two there). Kept: C (so the same positions start the rotation and the same cache rows start
     the write: decode at position 2048 with atol 1e-5 is checked exactly), the atol, S = 1
     (decode) versus S > 1, and S modulo 32 (so a prefill of 293 or 541 tokens still ends in a
     partial tile of tokens). S above :data:`REDUCED_MAX_SEQ` becomes ``32 + S % 32`` and B

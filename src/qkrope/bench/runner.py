@@ -166,7 +166,8 @@ class CheckPlan:
         return (f"reduced sizes: {g.num_q_heads}/{g.num_kv_heads} heads instead of "
                 f"{model.num_q_heads}/{model.num_kv_heads} (head_dim {g.head_dim}, rope theta, "
                 f"eps, dtype kept), S over {S} cut to {S} + S mod {S}, B over {B} cut to {B} "
-                "(C and atol kept); --full checks the full sizes (hours in the interpreter)")
+                "(C and atol kept); --full checks the full sizes (a minute or two in the "
+                "interpreter)")
 
 
 def check_plan(workloads: Sequence[Workload], geometry: ModelGeometry,
