@@ -59,8 +59,9 @@ def test_cache_larger_than_2_pow_31_elements():
 def test_model_geometries(model):
     w = SUITE[8]
     args = suite_inputs(w, MODELS[model], device="cuda", cache_capacity=4096)
-    ref = qkrope.reference(*args, inplace=False)
-    for chk in check_outputs(qkrope.run(*args), ref, w.atol):
+    options = MODELS[model].options()  # partial rotary, (1 + w) norms
+    ref = qkrope.reference(*args, inplace=False, **options)
+    for chk in check_outputs(qkrope.run(*args, **options), ref, w.atol):
         assert chk.ok, chk
 
 
