@@ -61,6 +61,20 @@ def test_reference_cache_semantics_and_no_mutation_mode():
     assert torch.equal(kc_new[:, :, untouched], kc0[:, :, untouched])
 
 
+def test_oracles_return_fresh_caches_by_default_and_write_in_place_on_request():
+    from test_qknorm_rope import PCase, make
+
+    for oracle, args, kw in ((qkrope.reference, make_inputs(Case(B=1, S=3), device="cpu"), {}),
+                             (qkrope.reference_paged, *make(PCase(T=4)))):
+        kc, vc = args[4], args[5]
+        kc0, vc0 = kc.clone(), vc.clone()
+        out = oracle(*args, **kw)
+        assert torch.equal(kc, kc0) and torch.equal(vc, vc0), f"{oracle.__name__} mutated"
+        assert out[2] is not kc and not torch.equal(out[2], kc0), "no rows written"
+        out = oracle(*args, **kw, inplace=True)
+        assert out[2] is kc and not torch.equal(kc, kc0)
+
+
 def test_hf_norm_rounding_matches_transformers_qwen3_rmsnorm():
     qwen3 = pytest.importorskip("transformers.models.qwen3.modeling_qwen3")
     from qkrope.ops.qknorm_rope.reference import rms_norm_ref
