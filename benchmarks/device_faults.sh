@@ -9,6 +9,7 @@ set -uo pipefail
 out=${1:-/tmp/qkrope-faults}
 runs=${2:-2}
 mkdir -p "$out"
+export PYTHONPATH=${PYTHONPATH:-}${PYTHONPATH:+:}$PWD/src  # the working tree's qkrope
 cache=$(python3 -c "from qkrope.ops import _native; print(_native.cache_path().parent)")
 echo "== native cache: $cache"; ls -la "$cache" 2>/dev/null
 
@@ -20,15 +21,27 @@ qkrope.run(*make_inputs(SUITE[0], device="cuda"))  # first launch: the build sta
 time.sleep(600)
 PY
 parent=$!
-for _ in $(seq 60); do  # wait for the compiler to be running
-  pgrep -f "cc1plus|_native.py --build" >/dev/null && pgrep cc1plus >/dev/null && break
+# Processes by command line, from /proc (the GPU image has no procps): "PID PGID ARGS".
+procs() { python3 - "$1" <<'PY'
+import os, sys
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        args = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()
+        if sys.argv[1] in args and int(pid) != os.getpid():
+            print(pid, os.getpgid(int(pid)), args[:120])
+    except OSError:
+        pass
+PY
+}
+for _ in $(seq 90); do  # wait for the compiler to be running
+  [ -n "$(procs cc1plus)" ] && break
   sleep 1
 done
 sleep 3
-echo "-- processes at the kill:"; ps -eo pid,pgid,etime,args | grep -E "_native.py --build|cc1plus" | grep -v grep
-build=$(pgrep -f "_native.py --build" | head -1)
+echo "-- processes at the kill:"; procs "_native.py --build"; procs cc1plus
+build=$(procs "_native.py --build" | head -1)
 kill -9 "$parent"
-[ -n "$build" ] && kill -9 -- "-$(ps -o pgid= -p "$build" | tr -d ' ')"
+[ -n "$build" ] && kill -9 -- "-$(echo "$build" | cut -d' ' -f2)"
 sleep 1
 echo "-- left behind:"; ls -la "$cache" "$cache"/* 2>/dev/null | head -30
 python3 -c "from qkrope.ops import _native; print('status after the kill:', _native.status())"
