@@ -38,7 +38,7 @@ def test_summarize_order_statistics():
 
 
 def test_bytes_model_matches_spec():
-    # SPEC §4: 59,392 B per token for 96/8/128 plus 16 B of indices.
+    # docs/spec.md §4: 59,392 B per token for 96/8/128 plus 16 B of indices.
     assert bytes_moved(SUITE[0]) == 59392 + 16
     assert bytes_moved(SUITE[12]) == 4096 * (59392 + 16)
 

@@ -1,4 +1,4 @@
-"""GPU-only: the 13-workload suite under the SPEC.md §2 rule, one launch per call, larger shapes."""
+"""GPU-only: the 13-workload suite under the suite's correctness rule (docs/spec.md §2), one launch per call, larger shapes."""
 
 import pytest
 import torch

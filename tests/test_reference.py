@@ -1,4 +1,4 @@
-"""The oracle itself, checked against an independent fp64 formulation of SPEC.md §1."""
+"""The oracle itself, checked against an independent fp64 formulation of docs/spec.md §1."""
 
 import pytest
 import torch

@@ -2,12 +2,14 @@
 // fresh outputs and the kernel launch, each in one C++ call instead of dozens of Python
 // attribute reads (or, for the launch, an 80-argument Python tuple parsed per call).
 //
-// signature(*args) reads, for each argument, what Triton specialises on and what the ops' checks
-// look at -- dtype, device, sizes, strides, 16-byte alignment of the data pointer -- straight
-// from the TensorImpl, and packs them into one bytes object (the lookup key), plus the data
-// addresses the launch passes. Python spends ~0.15 us per attribute read on the H200 test host,
-// 60 of them per call; this is one call. Anything but a plain torch.Tensor / nn.Parameter (a
-// subclass, a non-tensor) or a tensor without strides gives None: the checked path handles it.
+// signature(rules, *args) reads, for each argument, what Triton specialises on and what the ops'
+// checks look at -- dtype, device, sizes, strides, 16-byte alignment of the data pointer --
+// straight from the TensorImpl, and packs them into one bytes object (the lookup key), plus the
+// data addresses the launch passes: one call instead of ~60 Python attribute reads. The key is a
+// function of shapes and strides, not of addresses, so the memory-overlap rule (../_overlap.py,
+// `rules` names the written arguments) runs here on every call. Anything but a plain
+// torch.Tensor / nn.Parameter (a subclass, a non-tensor), a tensor without strides, or a written
+// tensor that may overlap another argument gives None: the checked path handles (or names) it.
 
 #include <dlfcn.h>
 
@@ -250,7 +252,7 @@ static PyObject* qk_outputs(PyObject*, PyObject* const* args, Py_ssize_t nargs) 
 // Launch plans. make_launch(...) packs a compiled kernel's parameters once; launch(plan, stream,
 // *varying) writes the per-call ones (addresses, eps) into their slots and calls cuLaunchKernel.
 // The plan knows nothing of Triton: Python describes each parameter with one kind character
-// (_direct_launch.param_kinds), and the driver's own parameter table (cuFuncGetParamInfo)
+// (_launch.param_kinds), and the driver's own parameter table (cuFuncGetParamInfo)
 // must agree with it, count and sizes, or no plan is made (the caller keeps Triton's launcher).
 // libcuda is opened at run time, so this file builds on machines without CUDA (CI) too.
 // ---------------------------------------------------------------------------------------------
