@@ -2,7 +2,7 @@
 docs/perf-notes.md, "one op core: performance gate"). Each variant is a checked text
 substitution: if the target text is gone the script fails instead of timing production code.
 
-    python benchmarks/probe_trees.py /tmp/probes     # writes /tmp/probes/<name>/src
+    python benchmarks/probe_trees.py /tmp/probes [NAME ...]   # writes /tmp/probes/<name>/src
 """
 
 import pathlib
@@ -24,17 +24,42 @@ RSTD_FIRST = (KERNEL, '''        angle = _angles(pos_ptr, pos_off, t_mask, d_lo,
 ''')
 TWO_Q_HEADS = (LAUNCHER, '''        return TileConfig(1, 1, 1, 1)''', '''        return TileConfig(2 if B * T > 1 else 1, 1, 1, 1)''')
 
+# Trig first in one-row tiles (decode: no layout conversions, so libdevice's dependent table
+# loads should be in flight during the row sum), reduction first in larger tiles (as now).
+TRIG_FIRST_SINGLE_ROW = (KERNEL, '''        # The reduction first: its rsqrt then overlaps the trig instead of waiting behind the
+        # trig's layout conversions (benchmarks/probe_trees.py "rstd_first").
+        rstd = _rstd(x_lo, x_hi, eps, D)
+        angle = _angles(pos_ptr, pos_off, t_mask, d_lo, inv_freq_ptr, stride_inv_freq,
+                        stride_pos_r, MROPE, SEC_T, SEC_H, SEC_W)
+        cos, sin = _cos_sin(angle, DT, COS_SIN_SCALE, INTERPRETER)
+''', '''        if x_lo.shape[0] * x_lo.shape[1] == 1:
+            angle = _angles(pos_ptr, pos_off, t_mask, d_lo, inv_freq_ptr, stride_inv_freq,
+                            stride_pos_r, MROPE, SEC_T, SEC_H, SEC_W)
+            cos, sin = _cos_sin(angle, DT, COS_SIN_SCALE, INTERPRETER)
+            rstd = _rstd(x_lo, x_hi, eps, D)
+        else:
+            rstd = _rstd(x_lo, x_hi, eps, D)
+            angle = _angles(pos_ptr, pos_off, t_mask, d_lo, inv_freq_ptr, stride_inv_freq,
+                            stride_pos_r, MROPE, SEC_T, SEC_H, SEC_W)
+            cos, sin = _cos_sin(angle, DT, COS_SIN_SCALE, INTERPRETER)
+''')
+
 VARIANTS = {
+    # (adopted 2026-12-03; these two apply to the kernel before that)
     # the RMS reduction before the trig in program order (its rsqrt leaves the tail)
     "rstd_first": [RSTD_FIRST],
     # run 16's decode lead: two query heads per program below one wave of programs
     "two_q_heads": [RSTD_FIRST, TWO_Q_HEADS],
+    # applies to the current kernel: see TRIG_FIRST_SINGLE_ROW
+    "trig_first_single_row": [TRIG_FIRST_SINGLE_ROW],
 }
 
 
 def main() -> None:
     out = pathlib.Path(sys.argv[1])
     for name, edits in VARIANTS.items():
+        if sys.argv[2:] and name not in sys.argv[2:]:
+            continue
         dest = out / name / "src"
         shutil.rmtree(dest, ignore_errors=True)
         shutil.copytree(ROOT / "src", dest)
