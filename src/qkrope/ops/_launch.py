@@ -3,8 +3,9 @@
 Two routes, no more:
 
 - **Triton's public launch** (``kernel[grid](**args, **meta)``): every checked call. It binds
-  and specialises every argument per call (~100 µs of host time for this op's ~60 arguments),
-  and serialises calls while Triton's interpreter runs (its state is global, not thread-safe).
+  and specialises every argument per call (tens of µs of host time for this op's ~60
+  arguments: docs/perf-notes.md), and serialises calls while Triton's interpreter runs (its
+  state is global, not thread-safe).
 - **The native route** (``csrc/fast_path.cpp``): after a checked launch, the compiled kernel is
   remembered under the call's *signature* (every tensor's shape, strides, dtype, device and
   16-byte alignment plus the op's static options). Everything Triton specialises on and

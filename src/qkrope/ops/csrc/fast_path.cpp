@@ -218,9 +218,8 @@ static PyObject* qk_signature(PyObject*, PyObject* const* all_args, Py_ssize_t a
 // outputs(query, key, query_out, key_out) -> (query_out, key_out, address, address): each
 // output not given (None) is allocated contiguous with the shape and options of its input, as
 // torch.empty_like(x, memory_format=torch.contiguous_format) does, in one call with no Python
-// argument parsing (2.8 us for both against 8.2 us on one H200 host instance; no gain on a
-// faster one: docs/perf-notes.md, runs 12-13). Called only after signature() accepted all four,
-// so each is a plain tensor or None.
+// argument parsing (measured: docs/perf-notes.md, runs 12-13). Called only after signature()
+// accepted all four, so each is a plain tensor or None.
 static PyObject* qk_outputs(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS  // c10 errors (e.g. out of memory) reach Python as torch's own exceptions
   if (nargs != 4) {
