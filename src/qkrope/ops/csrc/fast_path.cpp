@@ -33,23 +33,21 @@ struct View {
   int64_t elsize = 0;
   at::IntArrayRef sizes, strides;
   bool present = false;
-};
+  intptr_t lo = 0, hi = 0;  // the byte extent [lo, hi); lo == hi when empty
 
-bool empty(const View& v) {
-  for (int64_t n : v.sizes)
-    if (n == 0) return true;
-  return false;
-}
-
-void extent(const View& v, intptr_t* lo, intptr_t* hi) {
-  intptr_t a = static_cast<intptr_t>(v.ptr), b = a;
-  for (size_t d = 0; d < v.sizes.size(); ++d) {
-    const intptr_t step = (v.sizes[d] - 1) * v.strides[d] * v.elsize;
-    if (step < 0) a += step; else b += step;
+  View() = default;
+  View(uintptr_t p, int64_t e, at::IntArrayRef n, at::IntArrayRef s)
+      : ptr(p), elsize(e), sizes(n), strides(s), present(true) {
+    intptr_t a = static_cast<intptr_t>(p), b = a;
+    for (size_t d = 0; d < n.size(); ++d) {
+      if (n[d] == 0) return;  // empty: lo == hi
+      const intptr_t step = (n[d] - 1) * s[d] * e;
+      if (step < 0) a += step; else b += step;
+    }
+    lo = a;
+    hi = b + e;
   }
-  *lo = a;
-  *hi = b + v.elsize;
-}
+};
 
 bool self_overlaps(const View& v) {
   int64_t dims[2][16];
@@ -89,11 +87,7 @@ struct Lattice {
 };
 
 bool may_overlap(const View& a, const View& b) {
-  if (empty(a) || empty(b)) return false;
-  intptr_t alo, ahi, blo, bhi;
-  extent(a, &alo, &ahi);
-  extent(b, &blo, &bhi);
-  if (alo >= bhi || blo >= ahi) return false;
+  if (a.lo == a.hi || b.lo == b.hi || a.lo >= b.hi || b.lo >= a.hi) return false;
   const intptr_t diff = static_cast<intptr_t>(b.ptr) - static_cast<intptr_t>(a.ptr);
   if (a.sizes.size() != b.sizes.size() || a.strides != b.strides || a.elsize != b.elsize ||
       diff % a.elsize != 0 || a.sizes.size() > 16)
@@ -193,7 +187,7 @@ static PyObject* qk_signature(PyObject*, PyObject* const* all_args, Py_ssize_t a
       for (int64_t d = 0; d < nd; ++d) buf[n++] = strides[d];
       const auto p = reinterpret_cast<uintptr_t>(t.const_data_ptr());
       buf[n++] = (p % 16) == 0;
-      views[i] = View{p, static_cast<int64_t>(t.element_size()), sizes, strides, true};
+      views[i] = View(p, static_cast<int64_t>(t.element_size()), sizes, strides);
       PyObject* a = PyLong_FromUnsignedLongLong(p);
       if (!a) { Py_DECREF(addrs); return nullptr; }
       PyList_SET_ITEM(addrs, i, a);
@@ -523,8 +517,8 @@ static PyObject* qk_overlap_ok(PyObject*, PyObject* const* args, Py_ssize_t narg
       return nullptr;
     }
     const at::Tensor& t = THPVariable_Unpack(args[i]);
-    views[i - 1] = View{reinterpret_cast<uintptr_t>(t.const_data_ptr()),
-                        static_cast<int64_t>(t.element_size()), t.sizes(), t.strides(), true};
+    views[i - 1] = View(reinterpret_cast<uintptr_t>(t.const_data_ptr()),
+                        static_cast<int64_t>(t.element_size()), t.sizes(), t.strides());
   }
   return PyBool_FromLong(disjoint(PyBytes_AS_STRING(args[0]), PyBytes_GET_SIZE(args[0]), views,
                                   nargs - 1));
