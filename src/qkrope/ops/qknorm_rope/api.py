@@ -116,9 +116,9 @@ def fused_rope_with_qk_norm_and_kv_cache_update(
     opts = ("bhsd", rotary_style, rotary_dim, norm_weight_offset, norm_rounding, cos_sin_scale,
             mrope_section if type(mrope_section) is not list else tuple(mrope_section),
             mrope_interleaved)
-    scales = (None, None) if k_scale is None and v_scale is None else _fast_scales(
-        k_scale, v_scale, query)
-    if inplace and not validate and scales is not None and not torch.compiler.is_compiling():
+    if inplace and not validate and not torch.compiler.is_compiling() and (
+            scales := _NO_SCALES if k_scale is None and v_scale is None
+            else _fast_scales(k_scale, v_scale, query)) is not None:
         out = LAUNCHER.fast_call(opts, (query, key, value, position_ids, key_cache, value_cache,
                                         cache_position, q_norm_weight, k_norm_weight, inv_freq,
                                         *scales), query, key, query_out, key_out, rms_norm_eps)
@@ -195,9 +195,9 @@ def fused_qk_norm_rope_paged(
     opts = (cache_layout, rotary_style, rotary_dim, norm_weight_offset, norm_rounding,
             cos_sin_scale, mrope_section if type(mrope_section) is not list else
             tuple(mrope_section), mrope_interleaved)
-    scales = (None, None) if k_scale is None and v_scale is None else _fast_scales(
-        k_scale, v_scale, query)
-    if not validate and scales is not None and not torch.compiler.is_compiling():
+    if not validate and not torch.compiler.is_compiling() and (
+            scales := _NO_SCALES if k_scale is None and v_scale is None
+            else _fast_scales(k_scale, v_scale, query)) is not None:
         out = LAUNCHER.fast_call(opts, (query, key, value, positions, key_cache, value_cache,
                                         slot_mapping, q_norm_weight, k_norm_weight, inv_freq,
                                         *scales), query, key, query_out, key_out, rms_norm_eps)
@@ -237,6 +237,9 @@ def _checked_call(opts: Options, checked: Options, tensors: tuple, k_scale, v_sc
     if result is not None and signature is not None:  # eager: keep a plan for the fast path
         LAUNCHER.remember(signature[0], *result, query.get_device())
     return query_out, key_out
+
+
+_NO_SCALES = (None, None)
 
 
 def _fast_scales(k_scale, v_scale, query):
