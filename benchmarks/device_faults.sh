@@ -5,6 +5,7 @@
 # the second finds it cached.
 #
 #     bash benchmarks/device_faults.sh [OUT_DIR] [RUNS]     # RUNS: how many test runs (2)
+#     PYTEST_ARGS="-n 8" PYTEST_TIMEOUT=500 bash benchmarks/device_faults.sh ...  # xdist, bound
 set -uo pipefail
 out=${1:-/tmp/qkrope-faults}
 runs=${2:-2}
@@ -49,7 +50,7 @@ python3 -c "from qkrope.ops import _native; print('status after the kill:', _nat
 for run in $(seq "$runs"); do
   echo "== $((run + 1)). GPU tests, run $run"
   start=$(date +%s)
-  timeout "${PYTEST_TIMEOUT:-900}" python3 -m pytest tests/ -q -p no:cacheprovider --durations=15 2>&1 | tee "$out/pytest-run$run.log" | tail -40
+  timeout "${PYTEST_TIMEOUT:-900}" python3 -m pytest tests/ -q -p no:cacheprovider --durations=15 ${PYTEST_ARGS:-} 2>&1 | tee "$out/pytest-run$run.log" | tail -40
   echo "run $run: rc=${PIPESTATUS[0]}, $(( $(date +%s) - start )) s"
 done
 ls -la "$cache"

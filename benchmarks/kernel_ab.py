@@ -15,7 +15,9 @@ arguments compare fairly. Rounds alternate old, new, old, new...; per row the me
 calls of each version are compared. GPU time: the SPEC protocol (CUPTI, L2 flushed before
 every call); host time: back-to-back eager calls with outputs allocated (native route), as a
 multiple of ``x.add_(1)`` timed alternately in the same process (absolute host µs drift by 1.5x
-between processes on a shared host).
+between processes on a shared host). Each worker also times a copy of the row's bytes (the
+faster of torch's copy and a Triton streaming copy, bench's same-bytes copy); "copy µs" is the
+median over every worker, so each version reads as a ratio to a copy measured in the same run.
 """
 
 import argparse
@@ -29,9 +31,10 @@ import tarfile
 import tempfile
 
 WORKER = r"""
-import json, sys, torch, qkrope
-from qkrope.bench.timing import L2Flusher, cupti_call_times_us, host_times_beside_us
-from qkrope.suite import SUITE, PAGED_SUITE, make_inputs, make_paged_inputs
+import json, statistics, sys, torch, qkrope
+from qkrope.bench.timing import (L2Flusher, cupti_call_times_us, host_times_beside_us,
+                                 same_bytes_copies)
+from qkrope.suite import SUITE, PAGED_SUITE, bytes_moved, make_inputs, make_paged_inputs
 from qkrope.ops import _native
 rows, iters, host_calls = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3])
 load = getattr(_native, "build", None)
@@ -40,10 +43,12 @@ flush, out = L2Flusher(), {}
 for r in rows:
     g = torch.Generator(device="cuda").manual_seed(0)
     if r.startswith("p"):
-        a = make_paged_inputs(PAGED_SUITE[int(r[1:]) - 1], device="cuda", generator=g)
+        w = PAGED_SUITE[int(r[1:]) - 1]
+        a = make_paged_inputs(w, device="cuda", generator=g)
         op = qkrope.fused_qk_norm_rope_paged
     else:
-        a = make_inputs(SUITE[int(r) - 1], device="cuda", generator=g)
+        w = SUITE[int(r) - 1]
+        a = make_inputs(w, device="cuda", generator=g)
         op = qkrope.run
     qo, ko = torch.empty_like(a[0]), torch.empty_like(a[1])
     gpu = cupti_call_times_us(lambda: op(*a, query_out=qo, key_out=ko), flush, iters=iters)
@@ -51,7 +56,10 @@ for r in rows:
     if host_calls:  # beside x.add_(1), alternating: a shared host drifts between processes
         x = torch.zeros(1, device="cuda")
         host, _, ratio = host_times_beside_us(lambda: op(*a), lambda: x.add_(1), calls=host_calls)
-    out[r] = dict(gpu=gpu, host=host, host_per_add=ratio)
+    # The faster of torch's and a Triton streaming copy of the op's bytes, same protocol.
+    copy = min(statistics.median(cupti_call_times_us(c, flush, iters=iters))
+               for c in same_bytes_copies(bytes_moved(w))[2].values())
+    out[r] = dict(gpu=gpu, host=host, host_per_add=ratio, copy=copy)
 print("RESULT " + json.dumps(dict(rows=out, route=_native.status(), triton=__import__("triton").__version__)))
 """
 
@@ -116,8 +124,9 @@ def main() -> None:
           f"tree ({runs['new'][0]['route']}){''.join(f', {n}' for n in extra)} | {args.rounds} "
           f"rounds x {args.iters} calls, interleaved")
     print("| row | old µs | new µs | new/old | " + "".join(f"{n}/old | " for n in extra)
-          + "old host ×add_ | new host ×add_ | host new/old |\n|---|---|---|---|"
-          + "---|" * len(extra) + "---|---|---|")
+          + "old host ×add_ | new host ×add_ | host new/old | copy µs | new/copy | "
+          + "".join(f"{n}/copy | " for n in extra) + "\n|---|---|---|---|"
+          + "---|" * len(extra) + "---|---|---|---|---|" + "---|" * len(extra))
     logs = {n: 0.0 for n in versions}
     suite_rows = [r for r in rows if not r.startswith("p")]
     table = {}
@@ -129,11 +138,13 @@ def main() -> None:
         if r in suite_rows:
             for n in logs:
                 logs[n] += math.log(med[n]) / len(suite_rows)
-        table[r] = dict(gpu=med, host=host)
+        copy = statistics.median(run["rows"][r]["copy"] for n in versions for run in runs[n])
+        table[r] = dict(gpu=med, host=host, copy=copy)
         print(f"| {r} | {med['old']:.2f} | {med['new']:.2f} | {med['new'] / med['old']:.3f} | "
               + "".join(f"{med[n] / med['old']:.3f} | " for n in extra)
-              + f"{host['old']:.2f} | {host['new']:.2f} | {host['new'] / host['old']:.3f} |",
-              flush=True)
+              + f"{host['old']:.2f} | {host['new']:.2f} | {host['new'] / host['old']:.3f} | "
+              + f"{copy:.2f} | {med['new'] / copy:.3f} | "
+              + "".join(f"{med[n] / copy:.3f} | " for n in extra), flush=True)
     if suite_rows:
         print("suite geomean µs: " + ", ".join(f"{n} {math.exp(v):.3f}" for n, v in logs.items()))
     if args.json:

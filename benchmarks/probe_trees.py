@@ -44,6 +44,17 @@ TRIG_FIRST_SINGLE_ROW = (KERNEL, '''        # The reduction first: its rsqrt the
             cos, sin = _cos_sin(angle, DT, COS_SIN_SCALE, INTERPRETER)
 ''')
 
+# The op's memory skeleton (issue "faster than a copy"): every row load and store, the slot
+# load and the cache addressing, but no norm, no rotation and no trig (weights and positions
+# are then dead loads and compile away). Its time is a floor for any kernel of this structure.
+SKELETON = (KERNEL, '''    if not GPTJ and ROT == D:  # full NeoX rotary: one cos/sin per frequency, shared by halves
+''', '''    SKELETON: tl.constexpr = True
+    if SKELETON:
+        lo = x_lo.to(DT)
+        hi = x_hi.to(DT)
+    elif not GPTJ and ROT == D:
+''')
+
 VARIANTS = {
     # (adopted 2026-12-03; these two apply to the kernel before that)
     # the RMS reduction before the trig in program order (its rsqrt leaves the tail)
@@ -52,6 +63,8 @@ VARIANTS = {
     "two_q_heads": [RSTD_FIRST, TWO_Q_HEADS],
     # applies to the current kernel: see TRIG_FIRST_SINGLE_ROW
     "trig_first_single_row": [TRIG_FIRST_SINGLE_ROW],
+    # loads and stores only: a lower bound (wrong results by design; never adopt)
+    "skeleton": [SKELETON],
 }
 
 
