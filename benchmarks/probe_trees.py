@@ -61,7 +61,7 @@ VARIANTS = {
     "rstd_first": [RSTD_FIRST],
     # run 16's decode lead: two query heads per program below one wave of programs
     "two_q_heads": [RSTD_FIRST, TWO_Q_HEADS],
-    # applies to the current kernel: see TRIG_FIRST_SINGLE_ROW
+    # (adopted 2026-12-03, session 5; applies to the kernel before that) see TRIG_FIRST_SINGLE_ROW
     "trig_first_single_row": [TRIG_FIRST_SINGLE_ROW],
     # loads and stores only: a lower bound (wrong results by design; never adopt)
     "skeleton": [SKELETON],
