@@ -55,6 +55,14 @@ SKELETON = (KERNEL, '''    if not GPTJ and ROT == D:  # full NeoX rotary: one co
     elif not GPTJ and ROT == D:
 ''')
 
+# The op without its trig: cos = 1, sin = 0, still computed from the loaded positions (the
+# position load stays on the chain). The norm and rotation arithmetic are all there.
+NO_TRIG = (KERNEL, '''        cos = libdevice.cos(angle)
+        sin = libdevice.sin(angle)
+''', '''        cos = angle * 0.0 + 1.0
+        sin = angle * 0.0
+''')
+
 VARIANTS = {
     # (adopted 2026-12-03; these two apply to the kernel before that)
     # the RMS reduction before the trig in program order (its rsqrt leaves the tail)
@@ -65,6 +73,8 @@ VARIANTS = {
     "trig_first_single_row": [TRIG_FIRST_SINGLE_ROW],
     # loads and stores only: a lower bound (wrong results by design; never adopt)
     "skeleton": [SKELETON],
+    # everything but the trig: what the norm and rotation alone cost (wrong results by design)
+    "no_trig": [NO_TRIG],
 }
 
 
