@@ -1,7 +1,9 @@
+import os
 import warnings
 
 import pytest
 import torch
+from filelock import FileLock
 
 import qkrope  # noqa: F401  (turns on Triton's interpreter when there is no CUDA device)
 
@@ -33,3 +35,30 @@ def native_helpers_ready():
             warnings.warn(f"native fast-path helpers not ready after {NATIVE_WAIT_S:.0f} s, "
                           f"tests run on the Python route: {_native.status()}", stacklevel=1)
     yield
+
+
+#: Seconds a test marked big_gpu_memory waits for its turn before it errors (never a hang).
+GPU_MEMORY_TURN_S = 1200.0
+
+
+@pytest.fixture(scope="session")
+def _gpu_memory_lock(tmp_path_factory):
+    # pytest-xdist workers share the parent of their base temporary directories.
+    return FileLock(str(tmp_path_factory.getbasetemp().parent / "qkrope-gpu-memory.lock"))
+
+
+@pytest.fixture(autouse=True)
+def _gpu_memory_turns(request):
+    """Tests marked big_gpu_memory allocate tens of GiB; under pytest-xdist (``-n N``) they take
+    turns through a lock file, so N workers never hold N such peaks at once, and each gives its
+    cached blocks back before the next starts. The OS drops the lock of a killed worker."""
+    if ("big_gpu_memory" not in request.keywords or not torch.cuda.is_available()
+            or "PYTEST_XDIST_WORKER" not in os.environ):
+        yield
+        return
+    with request.getfixturevalue("_gpu_memory_lock").acquire(timeout=GPU_MEMORY_TURN_S):
+        try:
+            yield
+        finally:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()

@@ -60,6 +60,7 @@ def test_huge_stride_paged_key(tmp_path):
 
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 @pytest.mark.gpu
+@pytest.mark.big_gpu_memory
 def test_cache_beyond_2_pow_31_elements_gpu():
     """Caches of 2**31 + elements each (4 GiB bf16): the last rows are written in place."""
     B, Hkv, D = 1, 2, 128

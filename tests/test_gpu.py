@@ -9,7 +9,7 @@ import qkrope.suite
 from qkrope.suite import MODELS, SUITE, check_outputs
 from qkrope.suite import make_inputs as suite_inputs
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.big_gpu_memory]
 
 
 @pytest.mark.parametrize("workload", SUITE, ids=[w.name for w in SUITE])

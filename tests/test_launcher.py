@@ -254,3 +254,15 @@ def test_unverified_triton_takes_tritons_launch_with_one_warning(fake, monkeypat
         qkrope.run(*args)
     assert len(jit.launches) == 2 and not runs and not launcher.LAUNCHER.plans
     assert _launch.route()[0] == "triton" and "9.9.0" in _launch.route()[1]
+
+
+def test_first_checked_launch_starts_the_native_build(fake, monkeypatch):
+    """Until the native helpers are loaded there is no native signature to key a plan by; the
+    first eager GPU launch must still start their build, or the fast path never comes."""
+    jit, runs = fake
+    started = []
+    monkeypatch.setattr(_native, "signature_fn", lambda: None)
+    monkeypatch.setattr(_native, "start_build", lambda force=False: started.append(force))
+    qkrope.run(*make_inputs(Case(S=2)))
+    assert len(jit.launches) == 1 and started == [False]
+    assert not runs and not launcher.LAUNCHER.plans

@@ -281,6 +281,30 @@ def test_hot_path_picks_up_the_finished_build(with_in_flight):
     assert private_dirs(cache) == []
 
 
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a GPU launch starts the build")
+def test_first_gpu_launch_starts_the_build_and_later_calls_use_it(tmp_path):
+    out = python(script("""
+        import json, torch, qkrope
+        from qkrope.ops import _launch, _native
+        from qkrope.ops.qknorm_rope.launcher import LAUNCHER
+        from qkrope.suite import SUITE, make_inputs
+        args = make_inputs(SUITE[0], device="cuda")
+        before = _native.status()
+        qkrope.run(*args)
+        after_launch = _native.status()
+        _native.load(timeout=%r)
+        qkrope.run(*args)  # keeps a native plan
+        qkrope.run(*args)  # takes it
+        torch.cuda.synchronize()
+        print(json.dumps(dict(before=before, after_launch=after_launch,
+                              route=_launch.route()[0], plans=len(LAUNCHER.plans))))
+    """ % BOUND_S), tmp_path)
+    assert "not built yet" in out["before"]
+    assert "build in progress" in out["after_launch"], out
+    assert out["route"] == "native" and out["plans"] == 1, out
+
 # --- (b) killed builds -------------------------------------------------------------------------
 
 @pytest.mark.slow

@@ -115,7 +115,7 @@ BHSD_FORBIDDEN = {
 
 def _around(weight, like):
     """A tensor shaped ``like`` whose storage contains ``weight``'s bytes."""
-    big = torch.empty(like.numel() + weight.numel(), dtype=like.dtype)
+    big = torch.empty(like.numel() + weight.numel(), dtype=like.dtype, device=like.device)
     big[: weight.numel()].copy_(weight)
     weight.set_(big[: weight.numel()])
     return big[: like.numel()].view(like.shape)
@@ -127,7 +127,8 @@ def test_bhsd_forbidden_overlap_is_refused_and_nothing_written(name):
     make_kw, names = BHSD_FORBIDDEN[name]
     if make_kw is None:
         # query itself lives in a larger buffer; query_out is that buffer one row later.
-        big = torch.randn(args[0].numel() + args[0].shape[-1], dtype=args[0].dtype)
+        big = torch.randn(args[0].numel() + args[0].shape[-1], dtype=args[0].dtype,
+                          device=args[0].device)
         args[0] = big[: args[0].numel()].view(args[0].shape)
         kw = {"query_out": big[args[0].shape[-1]:].view(args[0].shape)}
     else:
@@ -171,7 +172,7 @@ def test_paged_forbidden_overlap_is_refused(name):
     if make_kw is None:
         # A cache whose bytes include the positions tensor's (one allocation, both views).
         nbytes = args[5].numel() * args[5].element_size()
-        raw = torch.zeros(nbytes + 64, dtype=torch.uint8)
+        raw = torch.zeros(nbytes + 64, dtype=torch.uint8, device=args[5].device)
         args[5] = raw[64:].view(args[5].dtype).view(args[5].shape)
         args[3] = raw[64: 64 + 8 * args[3].numel()].view(torch.int64)
     else:

@@ -2,6 +2,7 @@
 contents, bit for bit, with and without the patch, on tiny randomly initialised models (no
 downloads); patch-time and call-time fallbacks that never raise."""
 
+import inspect
 import warnings
 
 import pytest
@@ -125,6 +126,13 @@ def build(family, seed=0, dtype=torch.bfloat16):
     return model, inputs
 
 
+def cache_kwarg(model) -> str:
+    """The model's name for its cache argument: ``cache`` from transformers 5.24 (where the old
+    name warns), ``past_key_values`` in earlier 5.x (the GPU machine has 5.17)."""
+    return "cache" if "cache" in inspect.signature(type(model).forward).parameters \
+        else "past_key_values"
+
+
 def generate(model, inputs, new_tokens=4, cache="static", disable_compile=True):
     # generate() compiles the decode step of a StaticCache model on GPUs by default; Inductor
     # then keeps the stock norm and rotary in fp32 between ops, which changes ~3% of the
@@ -137,7 +145,7 @@ def generate(model, inputs, new_tokens=4, cache="static", disable_compile=True):
                             + new_tokens + 2)
     elif cache == "dynamic":
         cache = DynamicCache(config=model.config)
-    out = model.generate(**inputs, cache=cache, max_new_tokens=new_tokens, do_sample=False,
+    out = model.generate(**inputs, **{cache_kwarg(model): cache}, max_new_tokens=new_tokens, do_sample=False,
                          min_new_tokens=new_tokens, disable_compile=disable_compile)
     return out, cache
 
@@ -390,7 +398,8 @@ def test_patched_decode_step_compiles_into_one_graph(family):
             model.model.rope_deltas = None
         cache = StaticCache(config=model.config, max_cache_len=inputs["input_ids"].shape[1] + 4)
         with torch.no_grad():
-            nxt = model(**inputs, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            nxt = model(**inputs, **{cache_kwarg(model): cache},
+                        use_cache=True).logits[:, -1:].argmax(-1)
             steps = []
             for i in range(3):
                 # generate()'s positions: text, and for VL models text + the prompt's rope delta
@@ -399,7 +408,7 @@ def test_patched_decode_step_compiles_into_one_graph(family):
                 if getattr(model.model, "rope_deltas", None) is not None:
                     vision = pos + model.model.rope_deltas
                     pos = torch.stack([pos, vision, vision, vision])
-                nxt = forward(input_ids=nxt, cache=cache, position_ids=pos,
+                nxt = forward(input_ids=nxt, **{cache_kwarg(model): cache}, position_ids=pos,
                               use_cache=True).logits[:, -1:].argmax(-1)
                 steps.append(nxt)
         return torch.cat(steps, 1), cache

@@ -200,14 +200,18 @@ class KernelLauncher:
     def remember(self, key, compiled, grid: tuple, args: dict, meta: dict,
                  device_index: int) -> None:
         """After a checked launch that returned ``compiled``, keep a native plan for ``key``
-        (no-op where the native route is not in use; starts building its helpers)."""
-        if key is None or compiled is None or interpreting() or not _triton_verified():
-            if not interpreting() and not _triton_verified():
-                _warn_once(route()[1] + "; every call takes Triton's own launch path")
+        (no-op where the native route is not in use). ``key`` is None until the native
+        signature reader is loaded: the first such launch starts building it."""
+        if compiled is None or interpreting():
+            return
+        if not _triton_verified():
+            _warn_once(route()[1] + "; every call takes Triton's own launch path")
             return
         if not _no_launch_hooks():
             return
         _native.start_build()  # later calls use it once built
+        if key is None:
+            return
         plan = self._native_plan(compiled, grid, args, meta, device_index)
         if plan is None:
             return

@@ -234,8 +234,9 @@ def _checked_call(opts: Options, checked: Options, tensors: tuple, k_scale, v_sc
         checked.rotary_dim, checked.norm_weight_offset, checked.norm_rounding,
         checked.cos_sin_scale, None if checked.mrope_section is None else
         list(checked.mrope_section), checked.mrope_interleaved)
-    if result is not None and signature is not None:  # eager: keep a plan for the fast path
-        LAUNCHER.remember(signature[0], *result, query.get_device())
+    if result is not None:  # eager: keep a plan for the fast path (or start its build)
+        LAUNCHER.remember(None if signature is None else signature[0], *result,
+                          query.get_device())
     return query_out, key_out
 
 
