@@ -22,25 +22,32 @@ qkrope.run(*make_inputs(SUITE[0], device="cuda"))  # first launch: the build sta
 time.sleep(600)
 PY
 parent=$!
-# Processes by command line, from /proc (the GPU image has no procps): "PID PGID ARGS".
+# Processes from /proc (the GPU image has no procps): "PID PGID ARGS". `procs compiler`: the C++
+# compiler proper (by executable name, so no shell whose command line merely mentions it);
+# `procs build`: qkrope's build process (an argument ending in _native.py, then --build).
 procs() { python3 - "$1" <<'PY'
 import os, sys
 for pid in filter(str.isdigit, os.listdir("/proc")):
     try:
-        args = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()
-        if sys.argv[1] in args and int(pid) != os.getpid():
-            print(pid, os.getpgid(int(pid)), args[:120])
+        argv = open(f"/proc/{pid}/cmdline", "rb").read().decode().split("\0")
+        comm = open(f"/proc/{pid}/comm").read().strip()
     except OSError:
-        pass
+        continue
+    if sys.argv[1] == "compiler":
+        hit = comm == "cc1plus"
+    else:
+        hit = any(a.endswith("_native.py") for a in argv) and "--build" in argv
+    if hit and int(pid) != os.getpid():
+        print(pid, os.getpgid(int(pid)), " ".join(argv)[:120])
 PY
 }
 for _ in $(seq 90); do  # wait for the compiler to be running
-  [ -n "$(procs cc1plus)" ] && break
+  [ -n "$(procs compiler)" ] && break
   sleep 1
 done
 sleep 3
-echo "-- processes at the kill:"; procs "_native.py --build"; procs cc1plus
-build=$(procs "_native.py --build" | head -1)
+echo "-- processes at the kill:"; procs build; procs compiler
+build=$(procs build | head -1)
 kill -9 "$parent"
 [ -n "$build" ] && kill -9 -- "-$(echo "$build" | cut -d' ' -f2)"
 sleep 1

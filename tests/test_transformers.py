@@ -427,17 +427,43 @@ def test_patched_decode_step_compiles_into_one_graph(family):
     assert_same_cache(cache, eager_cache)
 
 
+def first_steps_logits(model, inputs, compiled: bool) -> tuple:
+    """generate()'s first two tokens and the logits they were chosen from (the prompt's, then
+    the first decode step's: the step generate() compiles)."""
+    if hasattr(model.model, "rope_deltas"):
+        model.model.rope_deltas = None
+    cache = StaticCache(config=model.config, max_cache_len=inputs["input_ids"].shape[1] + 4)
+    out = model.generate(**inputs, **{cache_kwarg(model): cache}, max_new_tokens=2,
+                         min_new_tokens=2, do_sample=False, disable_compile=not compiled,
+                         output_logits=True, return_dict_in_generate=True)
+    return out.sequences[:, -2:], [x.float() for x in out.logits]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="generate() compiles only on GPUs")
 @pytest.mark.parametrize("family", ["qwen3", "qwen3-vl"])
 def test_patched_model_under_generate_compile(family):
     # generate()'s default for a StaticCache on a GPU: the decode step is torch.compile'd and the
-    # fused op goes through its registered custom op inside the compiled graph.
+    # fused op goes through its registered custom op inside the compiled graph (no fallback).
+    # Inductor rounds the rest of the model (its other norms, the MLP) unlike eager, so no
+    # compiled model equals the stock eager one bit for bit (H200: the stock model's own layer-0
+    # keys change, and one later greedy token did); the patched model, compiled, must stay as
+    # close to the stock eager model as the stock model compiled does, within one bf16 ulp of
+    # the largest logit, on the steps whose inputs are identical.
     model, inputs = build(family, seed=2)
-    stock_tokens, _ = generate(model, inputs)
+    eager_tokens, eager = first_steps_logits(model, inputs, compiled=False)
+    stock_tokens, stock = first_steps_logits(model, inputs, compiled=True)
     patch(model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", FallbackWarning)
-        tokens, _ = generate(model, inputs, disable_compile=False)
-    assert torch.equal(tokens, stock_tokens)
-    unpatch(model)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FallbackWarning)
+            fused_tokens, fused = first_steps_logits(model, inputs, compiled=True)
+    finally:
+        unpatch(model)
+    assert torch.equal(fused_tokens[:, 0], eager_tokens[:, 0])  # the prompt step is eager
+    same_input = torch.equal(stock_tokens[:, 0], eager_tokens[:, 0])
+    for step in range(2 if same_input else 1):
+        ulp = 2.0 ** (torch.floor(torch.log2(eager[step].abs().max())) - 7)
+        stock_err = (stock[step] - eager[step]).abs().max()
+        fused_err = (fused[step] - eager[step]).abs().max()
+        assert fused_err <= 2 * stock_err + ulp, (step, fused_err, stock_err, ulp)
