@@ -130,7 +130,7 @@ def test_bench_list_prints_the_suite_and_implementations(capsys):
                          rf"{w.atol:g}$", out, re.M)
     for name in bench_impls.IMPLS:
         assert f"  {name} " in out
-    assert "flashinfer" in out and "no FlashInfer adapter" in out
+    assert "flashinfer" in out and "flashinfer_h2h.py" in out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -203,7 +203,7 @@ def test_every_impl_subset_runs_on_cpu(capsys, tmp_path, subset):
     for name in set(subset) - {"qkrope"}:
         assert f"- skipped {name}: " in out
     if "flashinfer" in subset:
-        assert "- skipped flashinfer: qkrope has no FlashInfer adapter yet" in out
+        assert "- skipped flashinfer: qkrope has no FlashInfer adapter in `qkrope bench`" in out
     if "qkrope" in subset:
         assert data["impls"] == ["qkrope"] and out.count("| pass |") == 1
         assert data["workloads"][0]["impls"]["qkrope"]["correct"] is True

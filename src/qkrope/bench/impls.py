@@ -84,9 +84,13 @@ def _liger() -> OpFn:
 
 
 def _flashinfer_unavailable() -> str:
-    # Selectable by name so a run says why it is absent; never in the default list.
+    # Selectable by name so a run says why it is absent and where its numbers are; never in the
+    # default list.
     installed = "installed" if importlib.util.find_spec("flashinfer") else "not installed"
-    return f"qkrope has no FlashInfer adapter yet (flashinfer is {installed})"
+    return ("qkrope has no FlashInfer adapter in `qkrope bench`: FlashInfer's fused op takes a "
+            "packed QKV and derives each row's cache slot from its position and a page table, "
+            "inputs neither bench layout makes; the head-to-head on its geometry is "
+            f"`python benchmarks/flashinfer_h2h.py` (flashinfer is {installed})")
 
 
 def _flashinfer() -> OpFn:
@@ -103,7 +107,8 @@ IMPLS: dict[str, Impl] = {
         Impl("eager", "eager PyTorch reference, in place", _eager_reference),
         Impl("liger", "Liger-Kernel RMSNorm + RoPE + index_copy_", _liger, _liger_unavailable,
              takes_options=False),
-        Impl("flashinfer", "FlashInfer (no adapter yet: always skipped, with the reason)",
+        Impl("flashinfer", "FlashInfer's fused op (always skipped here, with the reason: see "
+             "benchmarks/flashinfer_h2h.py)",
              _flashinfer, _flashinfer_unavailable),
     )
 }
