@@ -114,7 +114,7 @@ def environment() -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "qkrope": __version__, "torch": torch.__version__, "triton": triton.__version__,
         "python": platform.python_version(), "command": " ".join(["qkrope"] + sys.argv[1:]),
-        "launch_route": launch_route(),
+        "launch_route": launch_route(), "commit": _source_commit(),
     }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
@@ -125,6 +125,25 @@ def environment() -> dict:
     else:
         env.update(gpu=None, note="no CUDA device: correctness only, through Triton's interpreter")
     return env
+
+
+def _source_commit() -> str | None:
+    """The git commit of the qkrope source that runs (``-dirty`` with uncommitted changes to
+    tracked files), or None outside a git checkout: results from a source tree that is not an
+    installed release say which code they measured."""
+    import subprocess
+
+    src = os.path.dirname(os.path.abspath(__file__))
+    try:
+        head = subprocess.run(["git", "-C", src, "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, timeout=10)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", src, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
 def _driver_version() -> str | None:
@@ -389,7 +408,8 @@ def render_markdown(report: BenchReport, main: str | None = None) -> str:
                  f"model {report.model} "
                  f"({report.geometry['num_q_heads']}/{report.geometry['num_kv_heads']}/"
                  f"{report.geometry['head_dim']}) — torch {env['torch']}, triton {env['triton']}, "
-                 f"qkrope {env['qkrope']}")
+                 f"qkrope {env['qkrope']}"
+                 + (f" (commit {env['commit']})" if env.get("commit") else ""))
     if env.get("launch_route"):
         route = f"Launch route: {env['launch_route']}"
         if env.get("launch_route_at_end"):
