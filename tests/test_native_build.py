@@ -281,7 +281,6 @@ def test_hot_path_picks_up_the_finished_build(with_in_flight):
     assert private_dirs(cache) == []
 
 
-
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a GPU launch starts the build")
 def test_first_gpu_launch_starts_the_build_and_later_calls_use_it(tmp_path):
@@ -304,6 +303,7 @@ def test_first_gpu_launch_starts_the_build_and_later_calls_use_it(tmp_path):
     assert "not built yet" in out["before"]
     assert "build in progress" in out["after_launch"], out
     assert out["route"] == "native" and out["plans"] == 1, out
+
 
 # --- (b) killed builds -------------------------------------------------------------------------
 

@@ -145,8 +145,9 @@ def generate(model, inputs, new_tokens=4, cache="static", disable_compile=True):
                             + new_tokens + 2)
     elif cache == "dynamic":
         cache = DynamicCache(config=model.config)
-    out = model.generate(**inputs, **{cache_kwarg(model): cache}, max_new_tokens=new_tokens, do_sample=False,
-                         min_new_tokens=new_tokens, disable_compile=disable_compile)
+    out = model.generate(**inputs, **{cache_kwarg(model): cache}, max_new_tokens=new_tokens,
+                         do_sample=False, min_new_tokens=new_tokens,
+                         disable_compile=disable_compile)
     return out, cache
 
 
@@ -448,8 +449,8 @@ def test_patched_model_under_generate_compile(family):
     # Inductor rounds the rest of the model (its other norms, the MLP) unlike eager, so no
     # compiled model equals the stock eager one bit for bit (H200: the stock model's own layer-0
     # keys change, and one later greedy token did); the patched model, compiled, must stay as
-    # close to the stock eager model as the stock model compiled does, within one bf16 ulp of
-    # the largest logit, on the steps whose inputs are identical.
+    # close to the stock eager model as the stock model compiled does (within twice its largest
+    # logit deviation plus one bf16 ulp), on the steps whose inputs are identical.
     model, inputs = build(family, seed=2)
     eager_tokens, eager = first_steps_logits(model, inputs, compiled=False)
     stock_tokens, stock = first_steps_logits(model, inputs, compiled=True)
