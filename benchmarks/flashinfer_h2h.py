@@ -661,12 +661,25 @@ def main(argv: list[str] | None = None) -> int:
                          "are still printed and saved)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--qkrope-bench", nargs=argparse.REMAINDER, metavar="BENCH_ARGS",
+                    help="instead: load the carried FlashInfer as above (libraries for --cases), "
+                         "then run `qkrope bench BENCH_ARGS` in this process (e.g. --layout paged "
+                         "--model qwen3-32b --impl qkrope,flashinfer)")
     args = ap.parse_args(argv)
     start = time.perf_counter()
     cases = [Case.parse(s) for s in args.cases.split(",") if s]
     if not torch.cuda.is_available():
         print("needs a CUDA GPU (FlashInfer's op is SM90/SM100 only)", file=sys.stderr)
         return 1
+    if args.qkrope_bench is not None:
+        try:
+            load_flashinfer(cases, args.force_jit)
+        except FlashInferUnavailable as e:
+            print(f"FLASHINFER UNAVAILABLE: {e}", flush=True)
+            return 2
+        from qkrope.cli import main as qkrope_main
+
+        return qkrope_main(["bench", *args.qkrope_bench])
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
            "qkrope": qkrope.__file__, "python": platform.python_version()}
     print(f"# qkrope vs FlashInfer on {env['gpu']}, Qwen3-32B heads {HQ}/{HKV}/{D}, "

@@ -233,7 +233,7 @@ def test_cli_gpu_runs_impl_subsets(capsys, subset):
     if main_impl:
         assert f"| {main_impl} µs |" in out
     if "flashinfer" in subset:
-        assert "- skipped flashinfer: qkrope has no FlashInfer adapter in `qkrope bench`" in out
+        assert "- skipped flashinfer: FlashInfer's fused op is token-major" in out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path of the CLI")

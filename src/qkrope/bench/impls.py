@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import flashinfer
 from ..ops.qknorm_rope import fused_qk_norm_rope_paged, fused_rope_with_qk_norm_and_kv_cache_update
 from ..ops.qknorm_rope.reference import qknorm_rope_cache_ref, qknorm_rope_paged_ref
 from ..suite import make_inputs, make_paged_inputs
@@ -33,6 +34,8 @@ class Impl:
     unavailable: Callable[[], str | None] = lambda: None
     # Takes the op's keywords (partial rotary, (1 + w) norms) that some geometries need.
     takes_options: bool = True
+    # In the list a run compares when none is named (a peer for one geometry only is not).
+    default: bool = True
 
 
 def _eager_reference() -> OpFn:
@@ -83,18 +86,14 @@ def _liger() -> OpFn:
     return run
 
 
-def _flashinfer_unavailable() -> str:
-    # Selectable by name so a run says why it is absent and where its numbers are; never in the
-    # default list.
-    installed = "installed" if importlib.util.find_spec("flashinfer") else "not installed"
-    return ("qkrope has no FlashInfer adapter in `qkrope bench`: FlashInfer's fused op takes a "
-            "packed QKV and derives each row's cache slot from its position and a page table, "
-            "inputs neither bench layout makes; the head-to-head on its geometry is "
-            f"`python benchmarks/flashinfer_h2h.py` (flashinfer is {installed})")
+def _flashinfer_bhsd_unavailable() -> str:
+    # Selectable by name so a run says where the peer is; never in the default list.
+    return ("FlashInfer's fused op is token-major with a paged cache: --layout paged "
+            "(its heads: --model qwen3-32b)")
 
 
-def _flashinfer() -> OpFn:
-    raise ImportError(_flashinfer_unavailable())
+def _flashinfer_bhsd() -> OpFn:
+    raise ImportError(_flashinfer_bhsd_unavailable())
 
 
 IMPLS: dict[str, Impl] = {
@@ -107,9 +106,8 @@ IMPLS: dict[str, Impl] = {
         Impl("eager", "eager PyTorch reference, in place", _eager_reference),
         Impl("liger", "Liger-Kernel RMSNorm + RoPE + index_copy_", _liger, _liger_unavailable,
              takes_options=False),
-        Impl("flashinfer", "FlashInfer's fused op (always skipped here, with the reason: see "
-             "benchmarks/flashinfer_h2h.py)",
-             _flashinfer, _flashinfer_unavailable),
+        Impl("flashinfer", "FlashInfer's fused op (paged layout only: skipped here, with the "
+             "reason)", _flashinfer_bhsd, _flashinfer_bhsd_unavailable, default=False),
     )
 }
 
@@ -141,6 +139,9 @@ PAGED_IMPLS: dict[str, Impl] = {
         Impl("torch.compile", "torch.compile of the unfused serving sequence", _paged_compiled),
         Impl("eager", "unfused serving sequence: RMSNorm, RoPE, cache index_put (eager)",
              _paged_unfused),
+        Impl("flashinfer", "FlashInfer's fused QK RMSNorm + RoPE + paged K/V append (64/8 or "
+             "8/1 heads of 128; rotated K checked through the cache)", flashinfer.build,
+             flashinfer.unavailable, takes_options=False, default=False),
     )
 }
 
@@ -178,7 +179,8 @@ def default_impls(layout: str = "bhsd", timed: bool = True) -> list[str]:
     run here; without CUDA only qkrope (the others are only worth running to be timed)."""
     if not timed:
         return ["qkrope"]
-    return [n for n, impl in LAYOUTS[layout].impls.items() if impl.unavailable() is None]
+    return [n for n, impl in LAYOUTS[layout].impls.items()
+            if impl.default and impl.unavailable() is None]
 
 
 def _known(name: str) -> None:
