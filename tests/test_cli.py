@@ -167,6 +167,10 @@ def test_plot_without_a_gpu_fails_before_any_work(capsys, no_work, tmp_path):
     (["--impl", " , "], "--impl: no implementation named"),
     (["--shape", "1,0,1", "--sweep"], "--shape and --sweep both choose the workloads"),
     (["--json", "/no/such/folder/r.json"], "--json /no/such/folder/r.json: folder /no/such/folder"),
+    (["--cache-len", "100", "--layout", "paged"],
+     "--cache-len 100: workload 1,0,64 needs a cache of at least 1024 rows"),
+    (["--cache-len", "2000", "--shape", "1,2048,4"],
+     "--cache-len 2000: workload 1,2048,4 needs a cache of at least 2049 rows"),
 ])
 def test_bad_requests_exit_two_before_any_work(capsys, no_work, argv, message):
     rc, _, err = run(["bench"] + argv, capsys)

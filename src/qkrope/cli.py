@@ -257,6 +257,18 @@ def _check_requests(args, timed: bool) -> list[str]:
         folder = os.path.dirname(os.path.abspath(path)) if path else None
         if folder and not os.path.isdir(folder):
             raise UsageError(f"{opt} {path}: folder {folder} does not exist")
+    if args.cache_len is not None:
+        from .bench.runner import sweep_workloads
+        from .suite import PAGED_BLOCK_SIZE
+
+        for w in args.shape or (sweep_workloads() if args.sweep else
+                                PAGED_SUITE if args.layout == "paged" else SUITE):
+            # A paged decode gives each sequence a block of its own (a page table's rows).
+            need = (PAGED_BLOCK_SIZE * w.batch if args.layout == "paged" and w.seq_len == 1
+                    else w.cache_len + w.seq_len)
+            if args.cache_len < need:
+                raise UsageError(f"--cache-len {args.cache_len}: workload {w.seq_len},"
+                                 f"{w.cache_len},{w.batch} needs a cache of at least {need} rows")
     return impls
 
 
