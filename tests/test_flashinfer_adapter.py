@@ -53,6 +53,15 @@ def test_inputs_follow_flashinfers_rules(name):
     assert f.q_norm_weight.dtype == f.k_norm_weight.dtype == torch.float32
 
 
+def test_sequences_at_adjacent_positions_stay_separate_requests():
+    q, k, v, positions, _, _, slots, q_w, k_w, inv_freq, _ = inputs("decode")
+    positions, slots = positions.clone(), slots.clone()
+    positions[3] = positions[2] + 1 if int(positions[2]) % 16 != 15 else positions[2] - 1
+    slots[3] = slots[3] // 16 * 16 + positions[3] % 16  # its own block, as the bench gives
+    f = fi.flashinfer_inputs(q, k, v, positions, slots, q_w, k_w, inv_freq)
+    assert f.q_indptr.tolist() == list(range(q.shape[0] + 1))
+
+
 def test_slots_that_no_page_table_gives_are_refused():
     q, k, v, positions, _, _, slots, q_w, k_w, inv_freq, _ = inputs("decode")
     slots = slots.clone()

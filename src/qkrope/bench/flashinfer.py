@@ -63,23 +63,25 @@ def flashinfer_inputs(query, key, value, positions, slot_mapping, q_norm_weight,
     if query.dtype != torch.bfloat16:
         raise ValueError(f"FlashInfer's fused op takes bf16, not {query.dtype}")
     dev = query.device
-    pos = positions.to(torch.int64)
-    # A request per run of consecutive positions: a prefill is one, a decode batch one per row.
+    pos, slots = positions.to(torch.int64), slot_mapping.to(torch.int64)
+    # A request per run of consecutive positions whose rows share their pages (a prefill is
+    # one; a decode batch one per row, also where two sequences sit at adjacent positions).
     starts = torch.ones(T, dtype=torch.bool, device=dev)
-    starts[1:] = pos[1:] != pos[:-1] + 1
+    same_page = pos[1:] // page_size == pos[:-1] // page_size
+    starts[1:] = (pos[1:] != pos[:-1] + 1) | (same_page & (slots[1:] != slots[:-1] + 1))
     first = starts.nonzero().flatten()
     q_indptr = torch.cat((first, torch.tensor([T], device=dev)))
     req = torch.cumsum(starts.to(torch.int64), 0) - 1
     seq_lens = pos[q_indptr[1:] - 1] + 1
     pages = (int(seq_lens.max()) + page_size - 1) // page_size
     page_indices = torch.zeros(len(first), pages, dtype=torch.int64, device=dev)
-    page_indices[req, pos // page_size] = slot_mapping.to(torch.int64) // page_size
+    page_indices[req, pos // page_size] = slots // page_size
     # FlashInfer's rule (row r of request b: position r + seq_lens[b] - q_indptr[b + 1], slot from
     # the page table) must give back exactly the bench's positions and slots.
     rows = torch.arange(T, device=dev)
     fi_pos = rows + seq_lens[req] - q_indptr[1:][req]
     fi_slot = page_indices[req, fi_pos // page_size] * page_size + fi_pos % page_size
-    if not (torch.equal(fi_pos, pos) and torch.equal(fi_slot, slot_mapping.to(torch.int64))):
+    if not (torch.equal(fi_pos, pos) and torch.equal(fi_slot, slots)):
         raise ValueError("FlashInfer derives each row's cache slot from its position and a page "
                          f"table of {page_size}-token pages; these slots do not follow one")
     angles = torch.arange(int(seq_lens.max()), device=dev, dtype=torch.float32)[:, None] \
