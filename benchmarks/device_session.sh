@@ -17,6 +17,10 @@
 #   bash benchmarks/device_session.sh copy       # which plain copy is the same-bytes yardstick
 #   bash benchmarks/device_session.sh ab REV     # kernel_ab.py: REV against the tree (needs .git)
 #   bash benchmarks/device_session.sh quick      # qkrope bench, qkrope only (~80 s)
+#   bash benchmarks/device_session.sh faults     # kill mid-build, GPU tests x2 (-n 12), memcheck
+#   bash benchmarks/device_session.sh presets    # sweeps: qwen3-32b, qwen3-vl-8b, qwen3.5-27b
+#   bash benchmarks/device_session.sh probes     # kernel_ab: int32_addressing, no_trig, skeleton
+#   bash benchmarks/device_session.sh flashinfer # qkrope bench --layout paged vs FlashInfer (.fi)
 # What needs no GPU runs here instead: python benchmarks/compile_sm90.py (benchmarks/README.md).
 # Liger-Kernel, if wanted, travels as a wheel in .whl/ (see the device tool's README).
 set -uo pipefail
@@ -64,5 +68,28 @@ case "${1:-tests}" in
   ab)    python3 benchmarks/kernel_ab.py --rev "${2:?usage: device_session.sh ab REV}" \
            --json "$OUT/kernel-ab.json" 2>&1 | tee "$OUT/kernel-ab.md" ;;
   quick) python3 -m qkrope bench --impl qkrope --json "$OUT/quick.json" 2>&1 | tee "$OUT/quick.md" ;;
+  faults) # a process killed mid-build, then the GPU tests twice (pytest-xdist), then memcheck
+          # (API statuses not reported: the native plan's end-of-table parameter probe is one)
+    PYTEST_ARGS="-n 12" PYTEST_TIMEOUT=300 bash benchmarks/device_faults.sh "$OUT" 2 \
+      > "$OUT/faults.log" 2>&1
+    grep -E "^==|^--|status after|rc=|passed|failed" "$OUT/faults.log" | tail -14
+    timeout 150 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 7 \
+      python3 -m pytest tests/test_gpu.py tests/test_qknorm_rope.py -q -p no:cacheprovider -k \
+      "(ten_fresh_rounds and random and (293 or (2048 and not 4096))) or paged_matches_reference or bhsd_entry_point_has_every_variant" \
+      > "$OUT/sanitizer.log" 2>&1; echo "sanitizer rc=$?"
+    grep -E "ERROR SUMMARY|passed|failed" "$OUT/sanitizer.log" | tail -3 ;;
+  presets) for m in qwen3-32b qwen3-vl-8b qwen3.5-27b; do
+           python3 -m qkrope bench --sweep --model $m --impl qkrope,torch.compile --no-graph \
+             --host-calls 200 --json "$OUT/sweep-$m.json" --plot "$OUT/sweep-$m.png" \
+             2>&1 | tee "$OUT/sweep-$m.md" | tail -3
+         done ;;
+  probes) python3 benchmarks/probe_trees.py /tmp/p int32_addressing no_trig skeleton && \
+          python3 benchmarks/kernel_ab.py --rev c847d97 --tree i32=/tmp/p/int32_addressing/src \
+            --tree nt=/tmp/p/no_trig/src --tree sk=/tmp/p/skeleton/src --rounds 3 --iters 40 \
+            --json "$OUT/kernel-ab-probes.json" 2>&1 | tee "$OUT/kernel-ab-probes.md" ;;
+  flashinfer) # .fi carried (bash benchmarks/flashinfer_carry.sh here first)
+    PYTHONPATH=$PWD/src:$PWD/.fi/site${PYTHONPATH:+:$PYTHONPATH} python3 benchmarks/flashinfer_h2h.py \
+      --qkrope-bench --layout paged --model qwen3-32b --impl qkrope,flashinfer \
+      --json "$OUT/paged-flashinfer.json" 2>&1 | tee "$OUT/paged-flashinfer.md" ;;
   *) echo "unknown step $1" >&2; exit 2 ;;
 esac
