@@ -237,17 +237,15 @@ def _norm_rope_tile(x_lo, x_hi, w_lo, w_hi, x_ptr, row_off, stride_d, mask, w_pt
         # Program order steers the SASS schedule (docs/perf-notes.md, "one op core"). Tiles of
         # several rows: the reduction first, so its rsqrt overlaps the trig instead of waiting
         # behind the trig's layout conversions. One-row (decode) tiles have no conversions:
-        # there the trig first, so its dependent loads are in flight during the row sum.
-        if x_lo.shape[0] * x_lo.shape[1] == 1:
-            angle = _angles(pos_ptr, pos_off, t_mask, d_lo, inv_freq_ptr, stride_inv_freq,
-                            stride_pos_r, MROPE, SEC_T, SEC_H, SEC_W)
-            cos, sin = _cos_sin(angle, DT, COS_SIN_SCALE, INTERPRETER)
+        # there the trig first, its polynomial chain overlapping the row sum (measured faster).
+        one_row: tl.constexpr = x_lo.shape[0] * x_lo.shape[1] == 1
+        if not one_row:
             rstd = _rstd(x_lo, x_hi, eps, D)
-        else:
+        angle = _angles(pos_ptr, pos_off, t_mask, d_lo, inv_freq_ptr, stride_inv_freq,
+                        stride_pos_r, MROPE, SEC_T, SEC_H, SEC_W)
+        cos, sin = _cos_sin(angle, DT, COS_SIN_SCALE, INTERPRETER)
+        if one_row:
             rstd = _rstd(x_lo, x_hi, eps, D)
-            angle = _angles(pos_ptr, pos_off, t_mask, d_lo, inv_freq_ptr, stride_inv_freq,
-                            stride_pos_r, MROPE, SEC_T, SEC_H, SEC_W)
-            cos, sin = _cos_sin(angle, DT, COS_SIN_SCALE, INTERPRETER)
         lo, hi = _neox(_normed(x_lo, w_lo, rstd, DT, HF_NORM, INTERPRETER),
                        _normed(x_hi, w_hi, rstd, DT, HF_NORM, INTERPRETER),
                        cos[None, :, :], sin[None, :, :], DT, INTERPRETER)
