@@ -1,6 +1,8 @@
 """Variant copies of ``src/`` for ``kernel_ab.py --tree`` (session 2026-12-03 probes; see
 docs/perf-notes.md, "one op core: performance gate"). Each variant is a checked text
 substitution: if the target text is gone the script fails instead of timing production code.
+Variants that were adopted or refuted (rstd_first, two_q_heads, trig_first_single_row) no longer
+apply to this kernel; they are in this file's history (commit bdd73a8).
 
     python benchmarks/probe_trees.py /tmp/probes [NAME ...]   # writes /tmp/probes/<name>/src
 """
@@ -11,38 +13,6 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 KERNEL = "qkrope/ops/qknorm_rope/kernel.py"
-LAUNCHER = "qkrope/ops/qknorm_rope/launcher.py"
-
-RSTD_FIRST = (KERNEL, '''        angle = _angles(pos_ptr, pos_off, t_mask, d_lo, inv_freq_ptr, stride_inv_freq,
-                        stride_pos_r, MROPE, SEC_T, SEC_H, SEC_W)
-        cos, sin = _cos_sin(angle, DT, COS_SIN_SCALE, INTERPRETER)
-        rstd = _rstd(x_lo, x_hi, eps, D)
-''', '''        rstd = _rstd(x_lo, x_hi, eps, D)
-        angle = _angles(pos_ptr, pos_off, t_mask, d_lo, inv_freq_ptr, stride_inv_freq,
-                        stride_pos_r, MROPE, SEC_T, SEC_H, SEC_W)
-        cos, sin = _cos_sin(angle, DT, COS_SIN_SCALE, INTERPRETER)
-''')
-TWO_Q_HEADS = (LAUNCHER, '''        return TileConfig(1, 1, 1, 1)''', '''        return TileConfig(2 if B * T > 1 else 1, 1, 1, 1)''')
-
-# Trig first in one-row tiles (decode: no layout conversions, so libdevice's dependent table
-# loads should be in flight during the row sum), reduction first in larger tiles (as now).
-TRIG_FIRST_SINGLE_ROW = (KERNEL, '''        # The reduction first: its rsqrt then overlaps the trig instead of waiting behind the
-        # trig's layout conversions (benchmarks/probe_trees.py "rstd_first").
-        rstd = _rstd(x_lo, x_hi, eps, D)
-        angle = _angles(pos_ptr, pos_off, t_mask, d_lo, inv_freq_ptr, stride_inv_freq,
-                        stride_pos_r, MROPE, SEC_T, SEC_H, SEC_W)
-        cos, sin = _cos_sin(angle, DT, COS_SIN_SCALE, INTERPRETER)
-''', '''        if x_lo.shape[0] * x_lo.shape[1] == 1:
-            angle = _angles(pos_ptr, pos_off, t_mask, d_lo, inv_freq_ptr, stride_inv_freq,
-                            stride_pos_r, MROPE, SEC_T, SEC_H, SEC_W)
-            cos, sin = _cos_sin(angle, DT, COS_SIN_SCALE, INTERPRETER)
-            rstd = _rstd(x_lo, x_hi, eps, D)
-        else:
-            rstd = _rstd(x_lo, x_hi, eps, D)
-            angle = _angles(pos_ptr, pos_off, t_mask, d_lo, inv_freq_ptr, stride_inv_freq,
-                            stride_pos_r, MROPE, SEC_T, SEC_H, SEC_W)
-            cos, sin = _cos_sin(angle, DT, COS_SIN_SCALE, INTERPRETER)
-''')
 
 # The op's memory skeleton (issue "faster than a copy"): every row load and store, the slot
 # load and the cache addressing, but no norm, no rotation and no trig (weights and positions
@@ -71,13 +41,6 @@ NO_TRIG = (KERNEL, '''        cos = libdevice.cos(angle)
 INT32_ADDRESSING = (KERNEL, ".to(tl.int64)", ".to(tl.int32)", "every")
 
 VARIANTS = {
-    # (adopted 2026-12-03; these two apply to the kernel before that)
-    # the RMS reduction before the trig in program order (its rsqrt leaves the tail)
-    "rstd_first": [RSTD_FIRST],
-    # run 16's decode lead: two query heads per program below one wave of programs
-    "two_q_heads": [RSTD_FIRST, TWO_Q_HEADS],
-    # (adopted 2026-12-03, session 5; applies to the kernel before that) see TRIG_FIRST_SINGLE_ROW
-    "trig_first_single_row": [TRIG_FIRST_SINGLE_ROW],
     # loads and stores only: a lower bound (wrong results by design; never adopt)
     "skeleton": [SKELETON],
     # everything but the trig: what the norm and rotation alone cost (wrong results by design)
