@@ -9,7 +9,7 @@ import os
 import platform
 import sys
 
-from .bench.runner import NATIVE_WAIT_S
+from .bench.runner import NATIVE_WAIT_S, sweep_workloads
 from .suite import (
     MODELS, PAGED_SUITE, REDUCED_MAX_BATCH, REDUCED_MAX_SEQ, SUITE, Workload, reduced_geometry,
 )
@@ -228,7 +228,16 @@ def _bench_list() -> int:
     return 0
 
 
-def _check_requests(args, timed: bool) -> list[str]:
+def _workloads(args) -> list[Workload]:
+    """The workloads a bench request runs: its --shape list, the --sweep, or the layout's suite."""
+    if args.shape:
+        return args.shape
+    if args.sweep:
+        return sweep_workloads()
+    return list(PAGED_SUITE if args.layout == "paged" else SUITE)
+
+
+def _check_requests(args, timed: bool, workloads: list[Workload]) -> list[str]:
     """Everything a request needs that can be known before any work; returns the impl list."""
     from .bench.impls import IMPLS, default_impls
 
@@ -242,8 +251,6 @@ def _check_requests(args, timed: bool) -> list[str]:
                              f"choose from {', '.join(IMPLS)}")
         if not impls:
             raise UsageError("--impl: no implementation named")
-    if args.shape and args.sweep:
-        raise UsageError("--shape and --sweep both choose the workloads: give one")
     if args.plot:
         try:
             importlib.import_module("matplotlib")
@@ -258,11 +265,9 @@ def _check_requests(args, timed: bool) -> list[str]:
         if folder and not os.path.isdir(folder):
             raise UsageError(f"{opt} {path}: folder {folder} does not exist")
     if args.cache_len is not None:
-        from .bench.runner import sweep_workloads
         from .suite import PAGED_BLOCK_SIZE
 
-        for w in args.shape or (sweep_workloads() if args.sweep else
-                                PAGED_SUITE if args.layout == "paged" else SUITE):
+        for w in workloads:
             # A paged decode gives each sequence a block of its own (a page table's rows).
             need = (PAGED_BLOCK_SIZE * w.batch if args.layout == "paged" and w.seq_len == 1
                     else w.cache_len + w.seq_len)
@@ -313,18 +318,15 @@ def _bench(args) -> int:
     import torch
     from rich.console import Console
 
-    from .bench import check_plan, render_markdown, run_benchmark, sweep_workloads, write_json
+    from .bench import check_plan, render_markdown, run_benchmark, write_json
 
     err = Console(stderr=True)
     timed = torch.cuda.is_available()
-    impls = _check_requests(args, timed)
+    if args.shape and args.sweep:
+        raise UsageError("--shape and --sweep both choose the workloads: give one")
+    workloads = _workloads(args)
+    impls = _check_requests(args, timed, workloads)
     geometry = MODELS[args.model]
-    if args.shape:
-        workloads = args.shape
-    elif args.sweep:
-        workloads = sweep_workloads()
-    else:
-        workloads = list(PAGED_SUITE if args.layout == "paged" else SUITE)
     cache_len = args.cache_len
     if (cache_len is None and timed and not (args.shape or args.sweep)
             and args.layout == "bhsd"):
