@@ -52,6 +52,10 @@ VARIANTS = {
 
 def main() -> None:
     out = pathlib.Path(sys.argv[1])
+    unknown = set(sys.argv[2:]) - set(VARIANTS)
+    if unknown:
+        sys.exit(f"unknown variant(s) {', '.join(sorted(unknown))}; this kernel has "
+                 f"{', '.join(VARIANTS)} (older ones: see the module docstring)")
     for name, edits in VARIANTS.items():
         if sys.argv[2:] and name not in sys.argv[2:]:
             continue
