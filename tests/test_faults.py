@@ -25,7 +25,7 @@ def _sparse_buffer(tmp_path, elements: int, dtype=torch.bfloat16) -> torch.Tenso
 
 
 @pytest.mark.skipif(ON_GPU, reason="a file-backed (host) tensor: the interpreter's check")
-def test_huge_head_dim_stride_is_addressed_in_int64(tmp_path):
+def test_huge_head_dim_stride_is_addressed_in_int64(tmp_path, offset_width):
     D = 64
     buf = _sparse_buffer(tmp_path, 2 * D * HUGE + 8)
     args = list(make_inputs(Case(B=1, Hq=1, Hkv=1, S=1, D=D, L=4)))
@@ -38,12 +38,12 @@ def test_huge_head_dim_stride_is_addressed_in_int64(tmp_path):
     ref_q, *_ = qkrope.reference(*[a.clone() if isinstance(a, torch.Tensor) else a
                                    for a in args])
     out, *_ = qkrope.run(*args, query_out=q_out)
-    assert out is q_out
+    assert out is q_out and offset_width == [True]
     assert torch.equal(q_out, ref_q) or (q_out.float() - ref_q.float()).abs().max() <= 2**-6
 
 
 @pytest.mark.skipif(ON_GPU, reason="a file-backed (host) tensor: the interpreter's check")
-def test_huge_stride_paged_key(tmp_path):
+def test_huge_stride_paged_key(tmp_path, offset_width):
     D = 64
     args, kw = make(PCase(T=2, Hq=2, Hkv=1, D=D, num_blocks=1, block_size=4))
     args = list(args)
@@ -54,6 +54,56 @@ def test_huge_stride_paged_key(tmp_path):
     ref = qkrope.reference_paged(*[a.clone() if isinstance(a, torch.Tensor) else a
                                    for a in args], **kw)
     _, k_rot = qkrope.fused_qk_norm_rope_paged(*args, **kw)
+    assert offset_width == [True]
+    assert (k_rot.float() - ref[1].float()).abs().max() <= 2**-6
+    assert torch.equal(args[5].view(torch.uint8), ref[3].view(torch.uint8))
+
+
+@pytest.fixture
+def offset_width(monkeypatch):
+    """The offset width (``WIDE``) of each kernel launch of the test, in order."""
+    from qkrope.ops.qknorm_rope import launcher
+
+    seen = []
+    real = launcher.LAUNCHER.launch
+
+    def launch(grid, args, meta, device):
+        seen.append(meta["WIDE"])
+        return real(grid, args, meta, device)
+
+    monkeypatch.setattr(launcher.LAUNCHER, "launch", launch)
+    return seen
+
+
+def test_offset_width_follows_the_largest_element_offset():
+    from qkrope.ops.qknorm_rope.launcher import wide_offsets
+
+    def view(shape, stride):
+        return torch.empty_strided(shape, stride, device="meta")
+
+    assert not wide_offsets(view((2, 3), (2**31 - 3, 1)), None)        # largest 2**31 - 1
+    assert wide_offsets(None, view((2, 3), (2**31 - 2, 1)))            # largest 2**31
+    assert not wide_offsets(view((1, 5), (2**40, 1)))                  # a size-1 dim adds 0
+    assert wide_offsets(view((2**16, 2**15 + 1), (2**15 + 1, 1)))      # a large cache
+    assert not wide_offsets(view((8, 8, 262144, 128), (2**28, 2**25, 128, 1)))  # 2**31 - 1
+
+
+@pytest.mark.skipif(ON_GPU, reason="a file-backed (host) tensor: the interpreter's check")
+@pytest.mark.parametrize("largest", [2**31 - 1, 2**31 + 1])
+def test_offsets_at_the_int32_edge(tmp_path, offset_width, largest):
+    """A key whose largest element offset is just below / above 2**31: int32 offsets up to
+    the last representable one, int64 past it; both read every element where it is."""
+    D, hd_stride = 64, 2**25
+    args, kw = make(PCase(T=2, Hq=2, Hkv=1, D=D, num_blocks=1, block_size=4))
+    args = list(args)
+    buf = _sparse_buffer(tmp_path, largest + 1)
+    k = buf.as_strided((2, 1, D), (largest - (D - 1) * hd_stride, 1, hd_stride), 0)
+    k.copy_(args[1])
+    args[1] = k
+    ref = qkrope.reference_paged(*[a.clone() if isinstance(a, torch.Tensor) else a
+                                   for a in args], **kw)
+    _, k_rot = qkrope.fused_qk_norm_rope_paged(*args, **kw)
+    assert offset_width == [largest >= 2**31]
     assert (k_rot.float() - ref[1].float()).abs().max() <= 2**-6
     assert torch.equal(args[5].view(torch.uint8), ref[3].view(torch.uint8))
 
@@ -61,16 +111,19 @@ def test_huge_stride_paged_key(tmp_path):
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 @pytest.mark.gpu
 @pytest.mark.big_gpu_memory
-def test_cache_beyond_2_pow_31_elements_gpu():
-    """Caches of 2**31 + elements each (4 GiB bf16): the last rows are written in place."""
+@pytest.mark.parametrize("extra_rows", [0, 64], ids=["2**31 elements", "past 2**31"])
+def test_cache_at_and_beyond_2_pow_31_elements_gpu(offset_width, extra_rows):
+    """Caches of 2**31 elements (4 GiB bf16: the last offset is int32's largest) and larger
+    (int64 offsets): the last rows are written in place, nothing else."""
     B, Hkv, D = 1, 2, 128
-    L = 2**31 // (Hkv * D) + 64
+    L = 2**31 // (Hkv * D) + extra_rows
     args = list(make_inputs(Case(B=B, Hq=4, Hkv=Hkv, S=3, D=D, L=8)))
     kc = torch.zeros(B, Hkv, L, D, dtype=torch.bfloat16, device="cuda")
     vc = torch.zeros_like(kc)
     rows = torch.tensor([L - 3, L - 1, L - 2], device="cuda")
     args[4], args[5], args[6] = kc, vc, rows
     q_rot, k_rot, _, _ = qkrope.run(*args)
+    assert offset_width == [extra_rows > 0]
     assert torch.equal(kc[:, :, rows], k_rot) and torch.equal(vc[:, :, rows], args[2])
     assert kc[:, :, : L - 3].count_nonzero() == 0 and vc[:, :, : L - 3].count_nonzero() == 0
 

@@ -23,8 +23,13 @@ Features are constexprs, compiled away when off:
 Interpreter (``TRITON_INTERPRET=1``) rules followed here: loads are upcast to fp32 at once and
 all arithmetic is fp32; every store is masked; libdevice is only reached behind the
 ``INTERPRETER`` constexpr, which also swaps in exact roundings (the interpreter's fp32 -> bf16 and
--> fp8 casts truncate, while the GPU rounds to nearest even, as PyTorch does). Every address is
-an int64 product: caches exceed 2**31 elements and views may have huge strides.
+-> fp8 casts truncate, while the GPU rounds to nearest even, as PyTorch does).
+
+Addresses: ``WIDE`` (chosen by the launcher per call signature) computes every element offset
+in int64, for calls where some tensor spans 2**31 elements or more (large caches, views with
+huge strides); otherwise offsets are int32, whose shorter address arithmetic sits on every
+program's path to its first load (docs/perf-notes.md, "int32 offsets"). Lanes that are masked
+off may compute wrapped int32 offsets; they are never dereferenced.
 """
 
 from __future__ import annotations
@@ -37,6 +42,15 @@ from triton.language.extra import libdevice
 @triton.jit
 def _add(a, b):
     return a + b
+
+
+@triton.jit
+def _index(x, WIDE: tl.constexpr):
+    """``x`` as an element-offset integer: int64 with ``WIDE``, else int32."""
+    if WIDE:
+        return x.to(tl.int64)
+    else:
+        return x.to(tl.int32)
 
 
 # Triton's own sum combine where it has one: the interpreter recognises it and sums with numpy,
@@ -77,15 +91,16 @@ def _mrope_stream(freq, MROPE: tl.constexpr, SEC_T: tl.constexpr, SEC_H: tl.cons
 
 @triton.jit
 def _angles(pos_ptr, pos_off, t_mask, freq, inv_freq_ptr, stride_inv_freq, stride_pos_r,
-            MROPE: tl.constexpr, SEC_T: tl.constexpr, SEC_H: tl.constexpr, SEC_W: tl.constexpr):
-    """fp32 angles ``float32(position) * inv_freq[freq]`` -> [BLOCK_T, N] for tokens at int64
+            MROPE: tl.constexpr, SEC_T: tl.constexpr, SEC_H: tl.constexpr, SEC_W: tl.constexpr,
+            WIDE: tl.constexpr):
+    """fp32 angles ``float32(position) * inv_freq[freq]`` -> [BLOCK_T, N] for tokens at
     position offsets ``pos_off`` [BLOCK_T] and frequency indices ``freq`` [N]."""
-    inv = tl.load(inv_freq_ptr + freq.to(tl.int64) * stride_inv_freq).to(tl.float32)
+    inv = tl.load(inv_freq_ptr + _index(freq, WIDE) * stride_inv_freq).to(tl.float32)
     if MROPE == 0:
         pos = tl.load(pos_ptr + pos_off, mask=t_mask, other=0)
         return pos.to(tl.float32)[:, None] * inv[None, :]
     else:
-        stream = _mrope_stream(freq, MROPE, SEC_T, SEC_H, SEC_W).to(tl.int64)
+        stream = _index(_mrope_stream(freq, MROPE, SEC_T, SEC_H, SEC_W), WIDE)
         pos = tl.load(pos_ptr + pos_off[:, None] + stream[None, :] * stride_pos_r,
                       mask=t_mask[:, None], other=0)
         return pos.to(tl.float32) * inv[None, :]
@@ -110,14 +125,14 @@ def _cos_sin(angle, DT: tl.constexpr, COS_SIN_SCALE: tl.constexpr, INTERPRETER: 
 
 @triton.jit
 def _load_halves(x_ptr, off_lo, off_hi, mask):
-    """Both halves of a tile of rows at int64 offsets, upcast to fp32."""
+    """Both halves of a tile of rows at element offsets, upcast to fp32."""
     x1 = tl.load(x_ptr + off_lo, mask=mask, other=0.0)
     x2 = tl.load(x_ptr + off_hi, mask=mask, other=0.0)
     return x1.to(tl.float32), x2.to(tl.float32)
 
 
 @triton.jit
-def _load_weight(w_ptr, d, stride_w, W_OFFSET: tl.constexpr):
+def _load_weight(w_ptr, d, stride_w, W_OFFSET: tl.constexpr, WIDE: tl.constexpr):
     """Norm weight at dims ``d`` [N] as fp32 [1, 1, N] (``W_OFFSET + w``: Gemma/Qwen3.5 style).
 
     Callers load the weights with the rows, before any sin/cos work: loaded inside the math
@@ -125,7 +140,7 @@ def _load_weight(w_ptr, d, stride_w, W_OFFSET: tl.constexpr):
     program."""
     # Indexed in the rows' 3-D shape: a 1-D load expanded afterwards would need a layout
     # conversion through shared memory (a barrier behind the load) before the rows load.
-    w = tl.load(w_ptr + d.to(tl.int64)[None, None, :] * stride_w).to(tl.float32)
+    w = tl.load(w_ptr + _index(d, WIDE)[None, None, :] * stride_w).to(tl.float32)
     if W_OFFSET != 0.0:
         w = w + W_OFFSET
     return w
@@ -183,18 +198,18 @@ def _rotate_dims(x, x_ptr, row_off, stride_d, mask, d, w, w_ptr, stride_w, rstd,
                  ROT: tl.constexpr, GPTJ: tl.constexpr, HF_NORM: tl.constexpr,
                  W_OFFSET: tl.constexpr, COS_SIN_SCALE: tl.constexpr, MROPE: tl.constexpr,
                  SEC_T: tl.constexpr, SEC_H: tl.constexpr, SEC_W: tl.constexpr,
-                 INTERPRETER: tl.constexpr):
+                 INTERPRETER: tl.constexpr, WIDE: tl.constexpr):
     """Normalise and rotate dims ``d`` [N] of fp32 rows ``x`` [BLOCK_H, BLOCK_T, N] (partial
     rotary / GPT-J); dims from ``ROT`` on pass through normalised, unrotated."""
     DT = x_ptr.dtype.element_ty
     partner, freq, sign, rotated = _pair_maps(d, ROT, GPTJ)
-    xp = tl.load(x_ptr + row_off + partner.to(tl.int64)[None, None, :] * stride_d, mask=mask,
+    xp = tl.load(x_ptr + row_off + _index(partner, WIDE)[None, None, :] * stride_d, mask=mask,
                  other=0.0).to(tl.float32)
-    wp = _load_weight(w_ptr, partner, stride_w, W_OFFSET)
+    wp = _load_weight(w_ptr, partner, stride_w, W_OFFSET, WIDE)
     n = _normed(x, w, rstd, DT, HF_NORM, INTERPRETER)
     n_p = _normed(xp, wp, rstd, DT, HF_NORM, INTERPRETER)
     angle = _angles(pos_ptr, pos_off, t_mask, freq, inv_freq_ptr, stride_inv_freq, stride_pos_r,
-                    MROPE, SEC_T, SEC_H, SEC_W)
+                    MROPE, SEC_T, SEC_H, SEC_W, WIDE)
     cos, sin = _cos_sin(angle[None, :, :], DT, COS_SIN_SCALE, INTERPRETER)
     out = (_round(n * cos, DT, INTERPRETER)
            + sign[None, None, :] * _round(n_p * sin, DT, INTERPRETER))
@@ -204,19 +219,19 @@ def _rotate_dims(x, x_ptr, row_off, stride_d, mask, d, w, w_ptr, stride_w, rstd,
 
 @triton.jit
 def _load_tile(x_ptr, row_off, stride_d, mask, w_ptr, stride_w, D: tl.constexpr,
-               W_OFFSET: tl.constexpr):
+               W_OFFSET: tl.constexpr, WIDE: tl.constexpr):
     """Norm weights and rows of a [BLOCK_H, BLOCK_T] tile as fp32 halves [.., D/2].
 
-    row_off: [BLOCK_H, BLOCK_T, 1] int64 element offsets of the rows. Callers issue every load
+    row_off: [BLOCK_H, BLOCK_T, 1] element offsets of the rows. Callers issue every load
     of a program (this, V, slots) before any math, so they share one DRAM round trip (decode is
     latency-bound)."""
     HALF: tl.constexpr = D // 2
     d_lo = tl.arange(0, HALF)
     d_hi = d_lo + HALF
-    w_lo = _load_weight(w_ptr, d_lo, stride_w, W_OFFSET)
-    w_hi = _load_weight(w_ptr, d_hi, stride_w, W_OFFSET)
-    x_lo, x_hi = _load_halves(x_ptr, row_off + d_lo.to(tl.int64)[None, None, :] * stride_d,
-                              row_off + d_hi.to(tl.int64)[None, None, :] * stride_d, mask)
+    w_lo = _load_weight(w_ptr, d_lo, stride_w, W_OFFSET, WIDE)
+    w_hi = _load_weight(w_ptr, d_hi, stride_w, W_OFFSET, WIDE)
+    x_lo, x_hi = _load_halves(x_ptr, row_off + _index(d_lo, WIDE)[None, None, :] * stride_d,
+                              row_off + _index(d_hi, WIDE)[None, None, :] * stride_d, mask)
     return w_lo, w_hi, x_lo, x_hi
 
 
@@ -226,9 +241,10 @@ def _norm_rope_tile(x_lo, x_hi, w_lo, w_hi, x_ptr, row_off, stride_d, mask, w_pt
                     D: tl.constexpr, ROT: tl.constexpr, GPTJ: tl.constexpr,
                     HF_NORM: tl.constexpr, W_OFFSET: tl.constexpr,
                     COS_SIN_SCALE: tl.constexpr, MROPE: tl.constexpr, SEC_T: tl.constexpr,
-                    SEC_H: tl.constexpr, SEC_W: tl.constexpr, INTERPRETER: tl.constexpr):
+                    SEC_H: tl.constexpr, SEC_W: tl.constexpr, INTERPRETER: tl.constexpr,
+                    WIDE: tl.constexpr):
     """Normalised, rotated halves (DT) of a tile loaded by :func:`_load_tile`; pos_off:
-    [BLOCK_T] int64 offsets of the tokens' positions."""
+    [BLOCK_T] offsets of the tokens' positions."""
     HALF: tl.constexpr = D // 2
     DT = x_ptr.dtype.element_ty
     d_lo = tl.arange(0, HALF)
@@ -242,7 +258,7 @@ def _norm_rope_tile(x_lo, x_hi, w_lo, w_hi, x_ptr, row_off, stride_d, mask, w_pt
         if not one_row:
             rstd = _rstd(x_lo, x_hi, eps, D)
         angle = _angles(pos_ptr, pos_off, t_mask, d_lo, inv_freq_ptr, stride_inv_freq,
-                        stride_pos_r, MROPE, SEC_T, SEC_H, SEC_W)
+                        stride_pos_r, MROPE, SEC_T, SEC_H, SEC_W, WIDE)
         cos, sin = _cos_sin(angle, DT, COS_SIN_SCALE, INTERPRETER)
         if one_row:
             rstd = _rstd(x_lo, x_hi, eps, D)
@@ -254,11 +270,16 @@ def _norm_rope_tile(x_lo, x_hi, w_lo, w_hi, x_ptr, row_off, stride_d, mask, w_pt
         lo = _rotate_dims(x_lo, x_ptr, row_off, stride_d, mask, d_lo, w_lo, w_ptr, stride_w,
                           rstd, pos_ptr, pos_off, t_mask, inv_freq_ptr, stride_inv_freq,
                           stride_pos_r, ROT, GPTJ, HF_NORM, W_OFFSET, COS_SIN_SCALE, MROPE,
-                          SEC_T, SEC_H, SEC_W, INTERPRETER)
-        hi = _rotate_dims(x_hi, x_ptr, row_off, stride_d, mask, d_hi, w_hi, w_ptr, stride_w,
-                          rstd, pos_ptr, pos_off, t_mask, inv_freq_ptr, stride_inv_freq,
-                          stride_pos_r, ROT, GPTJ, HF_NORM, W_OFFSET, COS_SIN_SCALE, MROPE,
-                          SEC_T, SEC_H, SEC_W, INTERPRETER)
+                          SEC_T, SEC_H, SEC_W, INTERPRETER, WIDE)
+        if not GPTJ and ROT <= HALF:
+            # NeoX pairs of a partial rotary (Qwen3.5: 64 of 256 dims) all lie in the low
+            # half: the high half is only normalised (no partner loads, no trig).
+            hi = _normed(x_hi, w_hi, rstd, DT, HF_NORM, INTERPRETER).to(DT)
+        else:
+            hi = _rotate_dims(x_hi, x_ptr, row_off, stride_d, mask, d_hi, w_hi, w_ptr,
+                              stride_w, rstd, pos_ptr, pos_off, t_mask, inv_freq_ptr,
+                              stride_inv_freq, stride_pos_r, ROT, GPTJ, HF_NORM, W_OFFSET,
+                              COS_SIN_SCALE, MROPE, SEC_T, SEC_H, SEC_W, INTERPRETER, WIDE)
     return lo, hi
 
 
@@ -276,12 +297,12 @@ def _round_e4m3(v):
 
 @triton.jit
 def _store_cache(cache_ptr, off, vals, mask, scale_ptr, h, Hkv, stride_scale,
-                 SCALED: tl.constexpr, INTERPRETER: tl.constexpr):
+                 SCALED: tl.constexpr, INTERPRETER: tl.constexpr, WIDE: tl.constexpr):
     """Store rows into a cache; FP8 caches get saturate(x / scale) (vLLM's convention), NaN
     stored as NaN (a clamp alone would turn an upstream NaN into in-range data)."""
     if SCALED:
         # Per-tensor scales come with stride 0; heads past Hkv in the tile are masked.
-        scale = tl.load(scale_ptr + h.to(tl.int64) * stride_scale, mask=h < Hkv, other=1.0)
+        scale = tl.load(scale_ptr + _index(h, WIDE) * stride_scale, mask=h < Hkv, other=1.0)
         v = vals.to(tl.float32) / scale.to(tl.float32)
         clamped = tl.minimum(tl.maximum(v, -448.0), 448.0)
         FP8 = cache_ptr.dtype.element_ty
@@ -315,7 +336,7 @@ def qknorm_rope_kernel(
     SEC_T: tl.constexpr, SEC_H: tl.constexpr, SEC_W: tl.constexpr, PAGED: tl.constexpr,
     K_SCALED: tl.constexpr, V_SCALED: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_T: tl.constexpr,
-    INTERPRETER: tl.constexpr,
+    INTERPRETER: tl.constexpr, WIDE: tl.constexpr,
 ):
     """Grid: (cdiv(T, BLOCK_T), cdiv(Hq, BLOCK_HQ) + cdiv(Hkv, BLOCK_HKV), B).
 
@@ -329,65 +350,70 @@ def qknorm_rope_kernel(
     HALF: tl.constexpr = D // 2
     pid_t = tl.program_id(0)
     pid_h = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
+    b = _index(tl.program_id(2), WIDE)
     eps = tl.cast(eps, tl.float32)
 
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = t < T
-    t64 = t.to(tl.int64)
-    t3 = t64[None, :, None]
-    pos_off = b * stride_pos_b + t64 * stride_pos_t
+    t_i = _index(t, WIDE)
+    t3 = t_i[None, :, None]
+    pos_off = b * stride_pos_b + t_i * stride_pos_t
     n_q_blocks = (Hq + BLOCK_HQ - 1) // BLOCK_HQ  # not tl.cdiv: see _row_sum
-    d_lo = tl.arange(0, HALF).to(tl.int64)[None, None, :]
+    d_lo = _index(tl.arange(0, HALF), WIDE)[None, None, :]
     d_hi = d_lo + HALF
 
     # Triton needs a value assigned in both branches to have one type, so names differ by branch.
     if pid_h < n_q_blocks:
         hq = (pid_h * BLOCK_HQ + tl.arange(0, BLOCK_HQ))[:, None, None]
         q_mask = (hq < Hq) & (t3 < T)
-        hq64 = hq.to(tl.int64)
-        q_row = b * stride_q_b + hq64 * stride_q_h + t3 * stride_q_t
+        hq_i = _index(hq, WIDE)
+        q_row = b * stride_q_b + hq_i * stride_q_h + t3 * stride_q_t
         qw_lo, qw_hi, qx_lo, qx_hi = _load_tile(q_ptr, q_row, stride_q_d, q_mask, q_w_ptr,
-                                                stride_q_w, D, W_OFFSET)
+                                                stride_q_w, D, W_OFFSET, WIDE)
         q_lo, q_hi = _norm_rope_tile(
             qx_lo, qx_hi, qw_lo, qw_hi, q_ptr, q_row, stride_q_d, q_mask, q_w_ptr, stride_q_w,
             pos_ptr, pos_off, t_mask, inv_freq_ptr, stride_inv_freq, stride_pos_r, eps, D, ROT,
-            GPTJ, HF_NORM, W_OFFSET, COS_SIN_SCALE, MROPE, SEC_T, SEC_H, SEC_W, INTERPRETER)
-        qo_row = b * stride_qo_b + hq64 * stride_qo_h + t3 * stride_qo_t
+            GPTJ, HF_NORM, W_OFFSET, COS_SIN_SCALE, MROPE, SEC_T, SEC_H, SEC_W, INTERPRETER,
+            WIDE)
+        qo_row = b * stride_qo_b + hq_i * stride_qo_h + t3 * stride_qo_t
         tl.store(q_out_ptr + qo_row + d_lo * stride_qo_d, q_lo, mask=q_mask)
         tl.store(q_out_ptr + qo_row + d_hi * stride_qo_d, q_hi, mask=q_mask)
     else:
         hk = ((pid_h - n_q_blocks) * BLOCK_HKV + tl.arange(0, BLOCK_HKV))[:, None, None]
         k_mask = (hk < Hkv) & (t3 < T)
-        hk64 = hk.to(tl.int64)
-        k_row = b * stride_k_b + hk64 * stride_k_h + t3 * stride_k_t
+        hk_i = _index(hk, WIDE)
+        k_row = b * stride_k_b + hk_i * stride_k_h + t3 * stride_k_t
         kw_lo, kw_hi, kx_lo, kx_hi = _load_tile(k_ptr, k_row, stride_k_d, k_mask, k_w_ptr,
-                                                stride_k_w, D, W_OFFSET)
-        d_full = tl.arange(0, D).to(tl.int64)[None, None, :]
-        v = tl.load(v_ptr + b * stride_v_b + hk64 * stride_v_h + t3 * stride_v_t
+                                                stride_k_w, D, W_OFFSET, WIDE)
+        d_full = _index(tl.arange(0, D), WIDE)[None, None, :]
+        v = tl.load(v_ptr + b * stride_v_b + hk_i * stride_v_h + t3 * stride_v_t
                     + d_full * stride_v_d, mask=k_mask, other=0.0)
-        row = tl.load(slot_ptr + t64 * stride_slot, mask=t_mask, other=-1).to(tl.int64)
+        # In the index tensor's own type: the range check must see the row before any
+        # narrowing to the offset width (an int64 row of 2**32 + 5 is not row 5).
+        row = tl.load(slot_ptr + t_i * stride_slot, mask=t_mask, other=-1)
         k_lo, k_hi = _norm_rope_tile(
             kx_lo, kx_hi, kw_lo, kw_hi, k_ptr, k_row, stride_k_d, k_mask, k_w_ptr, stride_k_w,
             pos_ptr, pos_off, t_mask, inv_freq_ptr, stride_inv_freq, stride_pos_r, eps, D, ROT,
-            GPTJ, HF_NORM, W_OFFSET, COS_SIN_SCALE, MROPE, SEC_T, SEC_H, SEC_W, INTERPRETER)
-        ko_row = b * stride_ko_b + hk64 * stride_ko_h + t3 * stride_ko_t
+            GPTJ, HF_NORM, W_OFFSET, COS_SIN_SCALE, MROPE, SEC_T, SEC_H, SEC_W, INTERPRETER,
+            WIDE)
+        ko_row = b * stride_ko_b + hk_i * stride_ko_h + t3 * stride_ko_t
         tl.store(k_out_ptr + ko_row + d_lo * stride_ko_d, k_lo, mask=k_mask)
         tl.store(k_out_ptr + ko_row + d_hi * stride_ko_d, k_hi, mask=k_mask)
 
         row3 = row[None, :, None]
         row_mask = k_mask & (row3 >= 0) & (row3 < rows_per_batch)
+        row3 = _index(row3, WIDE)
         if PAGED:
             kc_row = (row3 // block_size) * stride_kc_blk + (row3 % block_size) * stride_kc_row
             vc_row = (row3 // block_size) * stride_vc_blk + (row3 % block_size) * stride_vc_row
         else:
             kc_row = row3 * stride_kc_row
             vc_row = row3 * stride_vc_row
-        kc_row += b * stride_kc_b + hk64 * stride_kc_h
-        vc_row += b * stride_vc_b + hk64 * stride_vc_h
+        kc_row += b * stride_kc_b + hk_i * stride_kc_h
+        vc_row += b * stride_vc_b + hk_i * stride_vc_h
         _store_cache(k_cache_ptr, kc_row + d_lo * stride_kc_d, k_lo, row_mask, k_scale_ptr, hk,
-                     Hkv, stride_k_scale, K_SCALED, INTERPRETER)
+                     Hkv, stride_k_scale, K_SCALED, INTERPRETER, WIDE)
         _store_cache(k_cache_ptr, kc_row + d_hi * stride_kc_d, k_hi, row_mask, k_scale_ptr, hk,
-                     Hkv, stride_k_scale, K_SCALED, INTERPRETER)
+                     Hkv, stride_k_scale, K_SCALED, INTERPRETER, WIDE)
         _store_cache(v_cache_ptr, vc_row + d_full * stride_vc_d, v, row_mask, v_scale_ptr, hk,
-                     Hkv, stride_v_scale, V_SCALED, INTERPRETER)
+                     Hkv, stride_v_scale, V_SCALED, INTERPRETER, WIDE)

@@ -17,7 +17,7 @@ from .._overlap import check_disjoint
 from .kernel import qknorm_rope_kernel
 
 __all__ = ["Options", "TileConfig", "HEAD_DIMS", "check_bhsd", "check_paged", "pick_config",
-           "launch", "LAUNCHER", "scale_tensor"]
+           "launch", "LAUNCHER", "scale_tensor", "wide_offsets"]
 
 HEAD_DIMS = (64, 128, 256, 512)
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16)
@@ -402,10 +402,23 @@ def launch(query, key, value, positions, key_cache, value_cache, slots, q_norm_w
         K_SCALED=k_scale is not None, V_SCALED=v_scale is not None,
         BLOCK_HQ=cfg.block_hq, BLOCK_HKV=cfg.block_hkv, BLOCK_T=cfg.block_t,
         INTERPRETER=interpreting(),
+        WIDE=wide_offsets(query, key, value, positions, key_cache, value_cache, slots,
+                          q_norm_weight, k_norm_weight, inv_freq, k_scale, v_scale, query_out,
+                          key_out),
         # The rounding points forbid contracting a product and a sum into one FMA.
         enable_fp_fusion=False, num_warps=cfg.num_warps)
     compiled = LAUNCHER.launch(grid, args, meta, query.device)
     return compiled, grid, args, meta
+
+
+def wide_offsets(*tensors) -> bool:
+    """Whether the kernel must compute element offsets in int64: some tensor's largest element
+    offset (from its data pointer) is 2**31 or more. A function of shapes and strides only, so
+    fixed by the native fast path's signature."""
+    for x in tensors:
+        if x is not None and sum(max(n - 1, 0) * s for n, s in zip(x.shape, x.stride())) >= 2**31:
+            return True
+    return False
 
 
 def _scale_stride(scale) -> int:
