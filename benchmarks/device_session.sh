@@ -92,17 +92,17 @@ case "${1:-tests}" in
     PYTHONPATH=$PWD/src:$PWD/.fi/site${PYTHONPATH:+:$PYTHONPATH} python3 benchmarks/flashinfer_h2h.py \
       --qkrope-bench --layout paged --model qwen3-32b --impl qkrope,flashinfer \
       --json "$OUT/paged-flashinfer.json" 2>&1 | tee "$OUT/paged-flashinfer.md" ;;
-  verify) # GPU tests (xdist), the suite, kernel_ab against REV, the partial-rotary preset's sweep
+  verify) # GPU tests (xdist), the suite, the partial-rotary preset's sweep, kernel_ab against REV
     rev=${2:?usage: device_session.sh verify REV}
-    timeout 300 python3 -m pytest tests/ -q -p no:cacheprovider -n 12 > "$OUT/pytest.log" 2>&1
+    timeout 240 python3 -m pytest tests/ -q -p no:cacheprovider -n 12 > "$OUT/pytest.log" 2>&1
     echo "pytest rc=$?"; tail -2 "$OUT/pytest.log"
     timeout 150 python3 -m qkrope bench --impl qkrope --json "$OUT/quick.json" > "$OUT/quick.md" 2>&1
     grep -E "^\| [0-9]+ \||Geometric" "$OUT/quick.md" | head -14 | cut -d'|' -f2,8,9,12,14
-    timeout 200 python3 benchmarks/kernel_ab.py --rev "$rev" --rounds 3 --iters 40 \
-      --json "$OUT/kernel-ab.json" > "$OUT/kernel-ab.md" 2>&1; echo "kernel_ab rc=$?"
-    grep -E "^\| (row|[0-9p]+) \||geomean" "$OUT/kernel-ab.md"
     timeout 90 python3 -m qkrope bench --sweep --model qwen3.5-27b --impl qkrope --no-graph \
       --host-calls 200 --json "$OUT/sweep-qwen3.5-27b.json" --plot "$OUT/sweep-qwen3.5-27b.png" \
-      > "$OUT/sweep-qwen3.5-27b.md" 2>&1; echo "sweep rc=$?"; grep Geometric "$OUT/sweep-qwen3.5-27b.md" ;;
+      > "$OUT/sweep-qwen3.5-27b.md" 2>&1; echo "sweep rc=$?"; grep Geometric "$OUT/sweep-qwen3.5-27b.md"
+    timeout 200 python3 benchmarks/kernel_ab.py --rev "$rev" --rounds 3 --iters 40 \
+      --json "$OUT/kernel-ab.json" > "$OUT/kernel-ab.md" 2>&1; echo "kernel_ab rc=$?"
+    grep -E "^\| (row|[0-9p]+) \||geomean" "$OUT/kernel-ab.md" ;;
   *) echo "unknown step $1" >&2; exit 2 ;;
 esac
