@@ -101,7 +101,7 @@ case "${1:-tests}" in
     timeout 90 python3 -m qkrope bench --sweep --model qwen3.5-27b --impl qkrope --no-graph \
       --host-calls 200 --json "$OUT/sweep-qwen3.5-27b.json" --plot "$OUT/sweep-qwen3.5-27b.png" \
       > "$OUT/sweep-qwen3.5-27b.md" 2>&1; echo "sweep rc=$?"; grep Geometric "$OUT/sweep-qwen3.5-27b.md"
-    timeout 200 python3 benchmarks/kernel_ab.py --rev "$rev" --rounds 3 --iters 40 \
+    timeout 150 python3 benchmarks/kernel_ab.py --rev "$rev" --rounds 2 --iters 30 \
       --json "$OUT/kernel-ab.json" > "$OUT/kernel-ab.md" 2>&1; echo "kernel_ab rc=$?"
     grep -E "^\| (row|[0-9p]+) \||geomean" "$OUT/kernel-ab.md" ;;
   *) echo "unknown step $1" >&2; exit 2 ;;
