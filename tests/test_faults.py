@@ -254,3 +254,18 @@ def test_dtensor_weight_is_refused_by_name(tmp_path):
             qkrope.run(*args)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("wrapped", [2**32 + 1, -(2**32) + 1, 2**31 + 1])
+def test_slot_past_int32_is_skipped_not_narrowed(wrapped, offset_width):
+    """An int64 slot whose low 32 bits name a valid row (2**32 + 1 -> row 1) is out of range
+    and skipped: the range check sees the slot before the int32 offsets do."""
+    args, kw = make(PCase(T=5, Hq=2, Hkv=1))
+    args = list(args)
+    args[6] = args[6].to(torch.int64)
+    args[6][2] = wrapped
+    ref = qkrope.reference_paged(*[a.clone() if isinstance(a, torch.Tensor) else a
+                                   for a in args], **kw)
+    qkrope.fused_qk_norm_rope_paged(*args, **kw)
+    assert offset_width == [False]
+    assert torch.equal(args[4], ref[2]) and torch.equal(args[5], ref[3])
