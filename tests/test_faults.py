@@ -66,6 +66,8 @@ def offset_width(monkeypatch):
 
     seen = []
     real = launcher.LAUNCHER.launch
+    # No native plans: the test's calls go through the checked launch, where the width is set.
+    monkeypatch.setattr(launcher.LAUNCHER, "plans", {})
 
     def launch(grid, args, meta, device):
         seen.append(meta["WIDE"])
