@@ -262,3 +262,13 @@ def test_impls_without_options_are_skipped_for_such_presets():
 
     available, skipped = resolve_impls(["liger", "eager"], "bhsd", {"rotary_dim": 64})
     assert "liger" in skipped and "rotary_dim" in skipped["liger"] and "eager" in available
+
+
+def test_paged_prefill_inputs_hold_every_batch_row():
+    """The default paged cache of a B > 1 prefill has a slot for each of its B * S tokens."""
+    from qkrope.suite import PAGED_BLOCK_SIZE, Workload, make_paged_inputs
+
+    args = make_paged_inputs(Workload(5, 3, 4), device="cpu")
+    slots, key_cache = args[6], args[4]
+    assert int(slots.max()) < key_cache.shape[0] * PAGED_BLOCK_SIZE
+    assert slots.tolist() == list(range(3, 3 + 20))

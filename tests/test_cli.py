@@ -171,6 +171,9 @@ def test_plot_without_a_gpu_fails_before_any_work(capsys, no_work, tmp_path):
      "--cache-len 100: workload 1,0,64 needs a cache of at least 1024 rows"),
     (["--cache-len", "2000", "--shape", "1,2048,4"],
      "--cache-len 2000: workload 1,2048,4 needs a cache of at least 2049 rows"),
+    # A paged prefill of B sequences writes B * S token-major rows after C.
+    (["--cache-len", "300", "--layout", "paged", "--shape", "128,0,4"],
+     "--cache-len 300: workload 128,0,4 needs a cache of at least 512 rows"),
 ])
 def test_bad_requests_exit_two_before_any_work(capsys, no_work, argv, message):
     rc, _, err = run(["bench"] + argv, capsys)

@@ -265,12 +265,10 @@ def _check_requests(args, timed: bool, workloads: list[Workload]) -> list[str]:
         if folder and not os.path.isdir(folder):
             raise UsageError(f"{opt} {path}: folder {folder} does not exist")
     if args.cache_len is not None:
-        from .suite import PAGED_BLOCK_SIZE
+        from .suite import cache_rows_needed
 
         for w in workloads:
-            # A paged decode gives each sequence a block of its own (a page table's rows).
-            need = (PAGED_BLOCK_SIZE * w.batch if args.layout == "paged" and w.seq_len == 1
-                    else w.cache_len + w.seq_len)
+            need = cache_rows_needed(w, args.layout)
             if args.cache_len < need:
                 raise UsageError(f"--cache-len {args.cache_len}: workload {w.seq_len},"
                                  f"{w.cache_len},{w.batch} needs a cache of at least {need} rows")

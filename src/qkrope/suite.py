@@ -10,7 +10,7 @@ import torch
 
 __all__ = [
     "Workload", "SUITE", "PAGED_SUITE", "ModelGeometry", "MODELS", "DEFAULT_MODEL", "OpInputs",
-    "make_inputs", "make_paged_inputs", "rope_inv_freq", "TensorCheck", "check_outputs",
+    "make_inputs", "make_paged_inputs", "cache_rows_needed", "rope_inv_freq", "TensorCheck", "check_outputs",
     "bytes_moved", "reduced_workload", "reduced_geometry", "REDUCED_MAX_SEQ", "REDUCED_MAX_BATCH",
 ]
 
@@ -125,6 +125,16 @@ def _norm_weights(D: int, benchmark_weights: bool, randn, device, dtype):
     return 1 + 0.5 * randn(D), 1 + 0.5 * randn(D)
 
 
+def cache_rows_needed(workload: Workload, layout: str = "bhsd") -> int:
+    """Cache rows a workload's inputs write up to: ``bhsd`` C + S per sequence; ``paged``, a
+    decode (S = 1) puts each sequence in a block of its own, a prefill writes rows C .. C + B S."""
+    if layout == "bhsd":
+        return workload.cache_len + workload.seq_len
+    if workload.seq_len == 1:
+        return PAGED_BLOCK_SIZE * workload.tokens
+    return workload.cache_len + workload.tokens
+
+
 def make_inputs(
     workload: Workload,
     geometry: ModelGeometry = DEFAULT_MODEL,
@@ -145,7 +155,7 @@ def make_inputs(
     B, S, C = workload.batch, workload.seq_len, workload.cache_len
     Hq, Hkv, D = geometry.num_q_heads, geometry.num_kv_heads, geometry.head_dim
     L = cache_capacity or geometry.max_position_embeddings
-    if C + S > L:
+    if cache_rows_needed(workload) > L:
         raise ValueError(f"workload {workload.name} needs {C + S} cache rows, capacity is {L}")
 
     def randn(*shape):
@@ -185,17 +195,17 @@ def make_paged_inputs(
         return torch.randn(*shape, generator=generator, device=device, dtype=dtype)
 
     query, key, value = randn(T, Hq, D), randn(T, Hkv, D), randn(T, Hkv, D)
+    need = cache_rows_needed(workload, "paged")
+    slots_total = cache_capacity or (64 * T if workload.seq_len == 1 else need)
+    if slots_total < need:
+        raise ValueError(f"workload {workload.seq_len},{workload.cache_len},{workload.batch} "
+                         f"needs a paged cache of at least {need} slots, got {slots_total}")
     if workload.seq_len == 1:
-        slots_total = cache_capacity or 64 * T
-        if slots_total < PAGED_BLOCK_SIZE * T:
-            raise ValueError(f"a paged decode of {T} sequences needs a cache of at least "
-                             f"{PAGED_BLOCK_SIZE * T} slots (a block each), got {slots_total}")
         positions = torch.randint(0, 32768, (T,), generator=generator, device=device)
         blocks = torch.randperm(slots_total // PAGED_BLOCK_SIZE, generator=generator,
                                 device=device)[:T]
         slots = blocks * PAGED_BLOCK_SIZE + positions % PAGED_BLOCK_SIZE
     else:
-        slots_total = cache_capacity or workload.cache_len + workload.seq_len
         positions = torch.arange(workload.cache_len, workload.cache_len + T, device=device)
         slots = positions.clone()
     num_blocks = -(-slots_total // PAGED_BLOCK_SIZE)
