@@ -13,7 +13,7 @@ import triton
 
 from ..._interpret import interpreting
 from .._launch import KernelLauncher
-from .._overlap import check_disjoint
+from .._overlap import check_disjoint, extent
 from .kernel import qknorm_rope_kernel
 
 __all__ = ["Options", "TileConfig", "HEAD_DIMS", "check_bhsd", "check_paged", "pick_config",
@@ -416,8 +416,10 @@ def wide_offsets(*tensors) -> bool:
     offset (from its data pointer) is 2**31 or more. A function of shapes and strides only, so
     fixed by the native fast path's signature."""
     for x in tensors:
-        if x is not None and sum(max(n - 1, 0) * s for n, s in zip(x.shape, x.stride())) >= 2**31:
-            return True
+        if x is not None:
+            lo, hi = extent(x)  # strides are never negative: lo is the data pointer
+            if hi - lo > 2**31 * x.element_size():
+                return True
     return False
 
 
