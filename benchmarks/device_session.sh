@@ -22,7 +22,7 @@
 #   bash benchmarks/device_session.sh probes     # kernel_ab: int32_addressing, no_trig, skeleton
 #   bash benchmarks/device_session.sh flashinfer # qkrope bench --layout paged vs FlashInfer (.fi)
 #   bash benchmarks/device_session.sh verify REV # after a kernel change: tests, suite, A/B, sweep
-#   bash benchmarks/device_session.sh cuda-decode # decode #1/#2: hand-written CUDA skeleton/norm/op
+#   bash benchmarks/device_session.sh cuda-decode # decode #1/#2: hand-written CUDA kernels (~20 s)
 # What needs no GPU runs here instead: python benchmarks/compile_sm90.py (benchmarks/README.md).
 # Liger-Kernel, if wanted, travels as a wheel in .whl/ (see the device tool's README).
 set -uo pipefail
@@ -105,7 +105,7 @@ case "${1:-tests}" in
     timeout 150 python3 benchmarks/kernel_ab.py --rev "$rev" --rounds 2 --iters 30 \
       --json "$OUT/kernel-ab.json" > "$OUT/kernel-ab.md" 2>&1; echo "kernel_ab rc=$?"
     grep -E "^\| (row|[0-9p]+) \||geomean" "$OUT/kernel-ab.md" ;;
-  cuda-decode) python3 benchmarks/decode_cuda_probe.py --rows 1,2 --rounds 3 --iters 60 \
+  cuda-decode) python3 benchmarks/decode_cuda_probe.py --rows 1,2 --rounds 7 --iters 60 \
                 2>&1 | tee "$OUT/decode-cuda.md" ;;
   *) echo "unknown step $1" >&2; exit 2 ;;
 esac
