@@ -23,6 +23,7 @@
 #   bash benchmarks/device_session.sh flashinfer # qkrope bench --layout paged vs FlashInfer (.fi)
 #   bash benchmarks/device_session.sh verify REV # after a kernel change: tests, suite, A/B, sweep
 #   bash benchmarks/device_session.sh cuda-decode # decode #1/#2: hand-written CUDA kernels (~20 s)
+#   bash benchmarks/device_session.sh cuda-skeleton # the op's loads/stores in CUDA, all 13 rows (~20 s)
 # What needs no GPU runs here instead: python benchmarks/compile_sm90.py (benchmarks/README.md).
 # Liger-Kernel, if wanted, travels as a wheel in .whl/ (see the device tool's README).
 set -uo pipefail
@@ -107,5 +108,7 @@ case "${1:-tests}" in
     grep -E "^\| (row|[0-9p]+) \||geomean" "$OUT/kernel-ab.md" ;;
   cuda-decode) python3 benchmarks/decode_cuda_probe.py --rows 1,2 --rounds 7 --iters 60 \
                 2>&1 | tee "$OUT/decode-cuda.md" ;;
+  cuda-skeleton) python3 benchmarks/skeleton_cuda_probe.py --rounds 5 --iters 40 \
+            2>&1 | tee "$OUT/skeleton-cuda.md" ;;
   *) echo "unknown step $1" >&2; exit 2 ;;
 esac
