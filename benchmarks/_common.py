@@ -21,7 +21,8 @@ import torch
 from qkrope.ops.qknorm_rope import launcher
 from qkrope.ops.qknorm_rope import kernel as kernel_module
 from qkrope.ops._launch import KernelLauncher
-from qkrope.suite import PAGED_SUITE, SUITE, Workload, make_inputs, make_paged_inputs
+from qkrope.suite import (DEFAULT_MODEL, PAGED_SUITE, SUITE, Workload, make_inputs,
+                          make_paged_inputs)
 
 
 def require_cuda(script: str) -> None:
@@ -61,10 +62,12 @@ def parse_rows(text: str) -> list[Row]:
     return rows
 
 
-def row_inputs(row: Row, device="cuda", generator=None, cache_capacity=None) -> tuple:
-    """The eleven public-API arguments of ``row`` (SPEC §2 construction)."""
+def row_inputs(row: Row, device="cuda", generator=None, cache_capacity=None,
+               geometry=DEFAULT_MODEL) -> tuple:
+    """The eleven public-API arguments of ``row`` (SPEC §2 construction) for ``geometry``."""
     make = make_paged_inputs if row.paged else make_inputs
-    return make(row.workload, device=device, generator=generator, cache_capacity=cache_capacity)
+    return make(row.workload, geometry, device=device, generator=generator,
+                cache_capacity=cache_capacity)
 
 
 def row_op(row: Row):

@@ -24,6 +24,7 @@
 #   bash benchmarks/device_session.sh verify REV # after a kernel change: tests, suite, A/B, sweep
 #   bash benchmarks/device_session.sh cuda-decode # decode #1/#2: hand-written CUDA kernels (~20 s)
 #   bash benchmarks/device_session.sh cuda-skeleton # the op's loads/stores in CUDA, all 13 rows (~20 s)
+#   bash benchmarks/device_session.sh small-tiles # one head per program vs tiles, 1-64 tokens, 5 models
 # What needs no GPU runs here instead: python benchmarks/compile_sm90.py (benchmarks/README.md).
 # Liger-Kernel, if wanted, travels as a wheel in .whl/ (see the device tool's README).
 set -uo pipefail
@@ -108,6 +109,12 @@ case "${1:-tests}" in
     grep -E "^\| (row|[0-9p]+) \||geomean" "$OUT/kernel-ab.md" ;;
   cuda-decode) python3 benchmarks/decode_cuda_probe.py --rows 1,2 --rounds 7 --iters 60 \
                 2>&1 | tee "$OUT/decode-cuda.md" ;;
+  small-tiles) for m in qwen3-coder-480b qwen3-32b qwen3-8b qwen3-0.6b qwen3.5-27b; do
+           big=16,8,1,2; [ $m = qwen3.5-27b ] && big=8,4,1,2
+           python3 benchmarks/tile_sweep.py --model $m --configs pick 1,1,1,1 $big --rounds 3 \
+             --rows 1:0:1,2:0:1,4:0:1,6:0:1,8:0:1,16:0:1,32:0:1,64:0:1,1:511:4,1:511:16 \
+             --json "$OUT/small-tiles-$m.json" 2>&1 | tee "$OUT/small-tiles-$m.md"
+         done ;;
   cuda-skeleton) python3 benchmarks/skeleton_cuda_probe.py --rounds 5 --iters 40 \
             2>&1 | tee "$OUT/skeleton-cuda.md" ;;
   *) echo "unknown step $1" >&2; exit 2 ;;

@@ -7,6 +7,7 @@ docs/perf-notes.md's tile tables (runs 3, 4, 6, 16) and trig probes (runs 3, 4, 
     python benchmarks/tile_sweep.py --rows 2,1 --configs 1,1,1,1 2,1,1,1 --rounds 3
     python benchmarks/tile_sweep.py --rows 3,6,8 --configs pick --variants production,trig-hw
     python benchmarks/tile_sweep.py --rows 1:0:1 --check-only       # no GPU: the interpreter
+    python benchmarks/tile_sweep.py --model qwen3.5-27b --rows 8:0:1 --configs pick 1,1,1,1
 
 Rows: suite numbers 1-13, paged p1-p3, or S:C:B. Each candidate (config x variant) goes through
 the production launch (``launcher.launch``, Triton's public launch) with ``pick_config``'s
@@ -36,7 +37,7 @@ from _common import (  # noqa: E402
 )
 from qkrope._interpret import interpreting  # noqa: E402
 from qkrope.ops.qknorm_rope import launcher  # noqa: E402
-from qkrope.suite import DEFAULT_MODEL, bytes_moved, check_outputs  # noqa: E402
+from qkrope.suite import MODELS, bytes_moved, check_outputs  # noqa: E402
 
 DEFAULT_CONFIGS = ["pick", "1,1,1,1", "2,1,1,1", "2,2,1,1", "8,8,1,2", "16,8,1,2", "32,8,1,4",
                    "16,8,2,2"]
@@ -54,7 +55,7 @@ def written_rows(row, outs):
     return q, k, flat(kc), flat(vc)
 
 
-def check(row, args, want, kernel, config) -> str:
+def check(row, args, want, kernel, config, opts) -> str:
     """One call of the candidate on fresh copies of the caches, against the reference's
     ``want`` (:func:`written_rows`): "ok", "WRONG", or "FAILED: why" (a tile or variant that
     does not compile or launch)."""
@@ -63,7 +64,7 @@ def check(row, args, want, kernel, config) -> str:
     q_out, k_out = torch.empty_like(args[0]), torch.empty_like(args[1])
     try:
         with forced(kernel=kernel, config=config):
-            launcher.launch(*launch_args(mine, q_out, k_out, row_options(row)))
+            launcher.launch(*launch_args(mine, q_out, k_out, opts))
     except Exception as e:  # reported in the table; the other candidates still run
         return f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
     got = written_rows(row, (q_out, k_out, kc, vc, args))
@@ -88,8 +89,11 @@ def main() -> None:
                    help="check every candidate against the reference, time nothing (runs in "
                         "Triton's interpreter without a GPU: keep the rows tiny; variants patch "
                         "only the GPU code path, so there they pass like production)")
+    p.add_argument("--model", default="qwen3-coder-480b", choices=sorted(MODELS),
+                   help="head geometry of the rows (default: the suite's 96/8/128)")
     p.add_argument("--json", metavar="PATH", help="write every timed call here")
     args = p.parse_args()
+    model = MODELS[args.model]
     try:
         rows = parse_rows(args.rows)
         configs = [(text, None if text == "pick" else parse_config(text))
@@ -113,7 +117,8 @@ def main() -> None:
         from qkrope.bench.timing import L2Flusher, copy_bandwidth, cupti_call_times_us
 
         bw, flush = copy_bandwidth(), L2Flusher()
-        print(f"{torch.cuda.get_device_name()} | copy bandwidth {bw / 1e12:.2f} TB/s | "
+        print(f"{torch.cuda.get_device_name()} | {model.name} ({model.num_q_heads}/"
+              f"{model.num_kv_heads}/{model.head_dim}) | copy bandwidth {bw / 1e12:.2f} TB/s | "
               f"{args.rounds} round(s) x {args.iters} calls, candidates alternating")
     for v in variants:
         if v != "production":
@@ -122,18 +127,18 @@ def main() -> None:
     for row in rows:
         w = row.workload
         cache_len = None if row.paged else args.cache_len or (
-            DEFAULT_MODEL.max_position_embeddings if device == "cuda" else w.cache_len + w.seq_len)
+            model.max_position_embeddings if device == "cuda" else w.cache_len + w.seq_len)
         g = torch.Generator(device=device).manual_seed(0)
-        a = row_inputs(row, device=device, generator=g, cache_capacity=cache_len)
+        a = row_inputs(row, device=device, generator=g, cache_capacity=cache_len, geometry=model)
         reference = qkrope.reference_paged if row.paged else qkrope.reference
-        want = written_rows(row, (*reference(*a, inplace=False), a))
-        ok = {name: check(row, a, want, kernel, cfg) for name, cfg, kernel in candidates}
+        opts = row_options(row, **model.options())  # partial rotary, (1 + w) norms
+        want = written_rows(row, (*reference(*a, inplace=False, **model.options()), a))
+        ok = {name: check(row, a, want, kernel, cfg, opts) for name, cfg, kernel in candidates}
         del want
         T = w.tokens if row.paged else w.seq_len
         B = 1 if row.paged else w.batch
-        pick = tuple(launcher.pick_config(B, T, DEFAULT_MODEL.num_q_heads,
-                                          DEFAULT_MODEL.num_kv_heads, DEFAULT_MODEL.head_dim,
-                                          interpreting()))
+        pick = tuple(launcher.pick_config(B, T, model.num_q_heads, model.num_kv_heads,
+                                          model.head_dim, interpreting()))
         if args.check_only:
             print(f"{row.label} {w.name}: " + "  ".join(
                 f"({name})={status}" for name, status in ok.items()))
@@ -145,10 +150,10 @@ def main() -> None:
             for name, cfg, kernel in runnable:
                 def call(cfg=cfg, kernel=kernel):
                     with forced(kernel=kernel, config=cfg):
-                        launcher.launch(*launch_args(a, q_out, k_out, row_options(row)))
+                        launcher.launch(*launch_args(a, q_out, k_out, opts))
                 times[name] += cupti_call_times_us(call, flush, iters=args.iters)
         med = sorted((statistics.median(t), name) for name, t in times.items())
-        print(f"#{row.label} {w.name} floor {bytes_moved(w) / bw * 1e6:.2f} µs, pick_config "
+        print(f"#{row.label} {w.name} floor {bytes_moved(w, model) / bw * 1e6:.2f} µs, pick_config "
               f"{pick}: " + "  ".join(f"({name})={t:.2f}{'' if ok[name] == 'ok' else ' WRONG'}"
                                        for t, name in med)
               + "".join(f"  ({name}) {ok[name]}" for name, _, _ in candidates

@@ -266,3 +266,35 @@ def test_first_checked_launch_starts_the_native_build(fake, monkeypatch):
     qkrope.run(*make_inputs(Case(S=2)))
     assert len(jit.launches) == 1 and started == [False]
     assert not runs and not launcher.LAUNCHER.plans
+
+
+# --------------------------------------------------------------------------------------------
+# tiling (pick_config on a GPU's rule, the SM count stood in)
+# --------------------------------------------------------------------------------------------
+@pytest.fixture
+def h200_sms(monkeypatch):
+    launcher.pick_config.cache_clear()
+    monkeypatch.setattr(launcher, "_num_sms", lambda: 132)
+    yield
+    launcher.pick_config.cache_clear()
+
+
+@pytest.mark.parametrize("B,T,Hq,Hkv,D,want", [
+    (1, 1, 96, 8, 128, (1, 1, 1, 1)),      # suite #1: one head per program
+    (4, 1, 96, 8, 128, (1, 1, 1, 1)),      # suite #2, B = 4 decode
+    (1, 4, 96, 8, 128, (1, 1, 1, 1)),      # the last tied size
+    (1, 5, 96, 8, 128, (16, 8, 1, 2)),
+    (1, 16, 96, 8, 128, (16, 8, 1, 2)),    # 2.66 -> 2.14 µs measured
+    (16, 1, 96, 8, 128, (16, 8, 1, 2)),    # a 16-sequence decode step: 2.62 -> 2.14
+    (1, 32, 32, 8, 128, (16, 8, 1, 2)),    # qwen3-8b: 2.43 -> 2.11
+    (1, 8, 16, 4, 256, (1, 1, 1, 1)),      # qwen3.5-27b, heads of 256: 2.21 against 2.40
+    (1, 44, 16, 4, 256, (8, 4, 1, 2)),     # ... until its 3 tiles a token fill the SMs
+    (1, 4096, 96, 8, 128, (16, 8, 1, 2)),
+])
+def test_pick_config_one_head_per_program_only_for_a_few_tokens(h200_sms, B, T, Hq, Hkv, D, want):
+    assert tuple(launcher.pick_config(B, T, Hq, Hkv, D, False)) == want
+
+
+def test_pick_config_keeps_big_tiles_when_even_a_few_tokens_fill_the_chip(h200_sms):
+    # 4 tokens of 2048 query heads: 4 * (128 + 1) programs of 16 heads already exceed 132 SMs.
+    assert tuple(launcher.pick_config(1, 4, 2048, 8, 128, False)) == (16, 8, 1, 2)

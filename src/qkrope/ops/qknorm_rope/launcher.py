@@ -286,9 +286,14 @@ class TileConfig(NamedTuple):
     num_warps: int
 
 
-# Measured on the H200 (docs/perf-notes.md, runs 3-4): tiles of one token and few warps win at
-# every size (many small programs keep more loads in flight per SM than a few large ones), and
-# problems too small to fill the SMs want one head per program.
+# Measured on the H200 (docs/perf-notes.md, runs 3-4 and "Small batches: one head per
+# program"): tiles of one token and few warps win at every size (many small programs keep more
+# loads in flight per SM than a few large ones). One head per program only pays while a call has
+# so few tokens that its tiles would leave SMs idle; past that, a program per head repeats the
+# tile's trig and address work for every head.
+ONE_HEAD_MAX_TOKENS = 4
+
+
 @functools.lru_cache(maxsize=1024)
 def pick_config(B: int, T: int, Hq: int, Hkv: int, D: int, interpret: bool) -> TileConfig:
     """Tile shape for ``B`` x ``T`` tokens; cached per shape so the hot path does no search."""
@@ -298,8 +303,11 @@ def pick_config(B: int, T: int, Hq: int, Hkv: int, D: int, interpret: bool) -> T
                           min(triton.next_power_of_2(T), 32), 4)
     block_hq = min(triton.next_power_of_2(Hq), max(1, 2048 // D))
     block_hkv = min(triton.next_power_of_2(Hkv), max(1, 1024 // D))
-    if B * T * (triton.cdiv(Hq, block_hq) + triton.cdiv(Hkv, block_hkv)) < _num_sms():
-        # Fewer programs than SMs: one head per program spreads a decode step over the chip.
+    programs = B * T * (triton.cdiv(Hq, block_hq) + triton.cdiv(Hkv, block_hkv))
+    if programs < _num_sms() and (B * T <= ONE_HEAD_MAX_TOKENS or D > 128):
+        # A decode step of a few tokens: one head per program spreads it over the chip. Tiles
+        # of heads wider than 128 (Qwen3.5's partial rotary: partner loads, trig per element)
+        # lose to it for as long as they leave SMs idle.
         return TileConfig(1, 1, 1, 1)
     return TileConfig(block_hq, block_hkv, 1, 2 if D <= 256 else 4)
 
