@@ -16,6 +16,7 @@
 #   bash benchmarks/device_session.sh accuracy   # kernel vs reference vs exact fp64
 #   bash benchmarks/device_session.sh copy       # which plain copy is the same-bytes yardstick
 #   bash benchmarks/device_session.sh ab REV     # kernel_ab.py: REV against the tree (needs .git)
+#   bash benchmarks/device_session.sh ab-model REV MODEL # the same on MODEL's heads and options
 #   bash benchmarks/device_session.sh quick      # qkrope bench, qkrope only (~80 s)
 #   bash benchmarks/device_session.sh faults     # kill mid-build, GPU tests x2 (-n 12), memcheck
 #   bash benchmarks/device_session.sh presets    # sweeps: qwen3-32b, qwen3-vl-8b, qwen3.5-27b
@@ -71,6 +72,10 @@ case "${1:-tests}" in
   copy)  python3 benchmarks/copy_probe.py 2>&1 | tee "$OUT/copy.md" ;;
   ab)    python3 benchmarks/kernel_ab.py --rev "${2:?usage: device_session.sh ab REV}" \
            --json "$OUT/kernel-ab.json" 2>&1 | tee "$OUT/kernel-ab.md" ;;
+  ab-model) python3 benchmarks/kernel_ab.py --rev "${2:?usage: device_session.sh ab-model REV MODEL}" \
+           --model "${3:?usage: device_session.sh ab-model REV MODEL}" --rounds 3 --iters 40 \
+           --workloads 1,2,3,4,5,8,10,12,13,p1,p2 --json "$OUT/kernel-ab-$3.json" \
+           2>&1 | tee "$OUT/kernel-ab-$3.md" ;;
   quick) python3 -m qkrope bench --impl qkrope --json "$OUT/quick.json" 2>&1 | tee "$OUT/quick.md" ;;
   faults) # a process killed mid-build, then the GPU tests twice (pytest-xdist), then memcheck
           # (API statuses not reported: the native plan's end-of-table parameter probe is one)

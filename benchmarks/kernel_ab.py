@@ -4,6 +4,7 @@ suite and the paged workloads, interleaved in one run (docs/perf-notes.md).
     python benchmarks/kernel_ab.py --rev c847d97                  # every suite + paged row
     python benchmarks/kernel_ab.py --rev HEAD~1 --workloads 1,2,p1 --rounds 3
     python benchmarks/kernel_ab.py --rev c847d97 --tree probe=/tmp/probe/src   # + a variant
+    python benchmarks/kernel_ab.py --rev main --model qwen3.5-27b --workloads 1,2,3,13
 
 "old" is the first ``--rev``; further ``--rev``s and ``--tree NAME=SRC`` (a patched copy of
 ``src/``, e.g. a probe variant of the kernel) are timed in the same rounds and reported as
@@ -34,9 +35,11 @@ WORKER = r"""
 import json, statistics, sys, torch, qkrope
 from qkrope.bench.timing import (L2Flusher, cupti_call_times_us, host_times_beside_us,
                                  same_bytes_copies)
-from qkrope.suite import SUITE, PAGED_SUITE, bytes_moved, make_inputs, make_paged_inputs
+from qkrope.suite import MODELS, SUITE, PAGED_SUITE, bytes_moved, make_inputs, make_paged_inputs
 from qkrope.ops import _native
 rows, iters, host_calls = sys.argv[1].split(","), int(sys.argv[2]), int(sys.argv[3])
+model = MODELS[sys.argv[4]]
+opts = model.options()  # partial rotary, (1 + w) norms
 load = getattr(_native, "build", None)
 (load(timeout=300) if load else _native.load(300))
 flush, out = L2Flusher(), {}
@@ -44,21 +47,23 @@ for r in rows:
     g = torch.Generator(device="cuda").manual_seed(0)
     if r.startswith("p"):
         w = PAGED_SUITE[int(r[1:]) - 1]
-        a = make_paged_inputs(w, device="cuda", generator=g)
+        a = make_paged_inputs(w, model, device="cuda", generator=g)
         op = qkrope.fused_qk_norm_rope_paged
     else:
         w = SUITE[int(r) - 1]
-        a = make_inputs(w, device="cuda", generator=g)
+        a = make_inputs(w, model, device="cuda", generator=g)
         op = qkrope.run
     qo, ko = torch.empty_like(a[0]), torch.empty_like(a[1])
-    gpu = cupti_call_times_us(lambda: op(*a, query_out=qo, key_out=ko), flush, iters=iters)
+    gpu = cupti_call_times_us(lambda: op(*a, query_out=qo, key_out=ko, **opts), flush,
+                              iters=iters)
     host = ratio = None
     if host_calls:  # beside x.add_(1), alternating: a shared host drifts between processes
         x = torch.zeros(1, device="cuda")
-        host, _, ratio = host_times_beside_us(lambda: op(*a), lambda: x.add_(1), calls=host_calls)
+        host, _, ratio = host_times_beside_us(lambda: op(*a, **opts), lambda: x.add_(1),
+                                              calls=host_calls)
     # The faster of torch's and a Triton streaming copy of the op's bytes, same protocol.
     copy = min(statistics.median(cupti_call_times_us(c, flush, iters=iters))
-               for c in same_bytes_copies(bytes_moved(w))[2].values())
+               for c in same_bytes_copies(bytes_moved(w, model))[2].values())
     out[r] = dict(gpu=gpu, host=host, host_per_add=ratio, copy=copy)
 print("RESULT " + json.dumps(dict(rows=out, route=_native.status(), triton=__import__("triton").__version__)))
 """
@@ -77,10 +82,10 @@ def tree_at(rev: str, into: str) -> str:
     return os.path.join(into, "src")
 
 
-def run_worker(src: str, rows: list[str], iters: int, host_calls: int) -> dict:
+def run_worker(src: str, rows: list[str], iters: int, host_calls: int, model: str) -> dict:
     env = dict(os.environ, PYTHONPATH=src)
     out = subprocess.run([sys.executable, "-c", WORKER, ",".join(rows), str(iters),
-                          str(host_calls)], env=env, capture_output=True, text=True,
+                          str(host_calls), model], env=env, capture_output=True, text=True,
                          timeout=900)
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -99,6 +104,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--host-calls", type=int, default=1000)
+    p.add_argument("--model", default="qwen3-coder-480b",
+                   help="head geometry of the rows, with its options (default: the suite's)")
     p.add_argument("--json", help="write every measured call here")
     args = p.parse_args()
 
@@ -114,12 +121,13 @@ def main() -> None:
         runs = {name: [] for name in versions}
         for _ in range(args.rounds):
             for name, src in versions.items():
-                runs[name].append(run_worker(src, rows, args.iters, args.host_calls))
+                runs[name].append(run_worker(src, rows, args.iters, args.host_calls,
+                                             args.model))
     import torch
     import triton
 
     extra = [n for n in versions if n not in ("old", "new")]
-    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton "
+    print(f"{torch.cuda.get_device_name()} | {args.model} | torch {torch.__version__} | triton "
           f"{triton.__version__} | old = {args.rev[0]} ({runs['old'][0]['route']}), new = working "
           f"tree ({runs['new'][0]['route']}){''.join(f', {n}' for n in extra)} | {args.rounds} "
           f"rounds x {args.iters} calls, interleaved")
