@@ -1,5 +1,5 @@
-"""What the benchmark scripts share: the CUDA guard, row names, inputs, forced tile configs and
-patched kernel variants (experiments stay here, out of ``src/``).
+"""What the benchmark scripts share: the CUDA guard, row names, inputs, interleaved timing,
+forced tile configs and patched kernel variants (experiments stay here, out of ``src/``).
 
 Rows: ``1``-``13`` are SPEC §2 suite workloads ([B, H, S, D], ``qkrope.run``), ``p1``-``p3``
 the paged workloads (token-major, NHD cache, ``qkrope.fused_qk_norm_rope_paged``), and
@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -68,6 +69,21 @@ def row_inputs(row: Row, device="cuda", generator=None, cache_capacity=None,
     make = make_paged_inputs if row.paged else make_inputs
     return make(row.workload, geometry, device=device, generator=generator,
                 cache_capacity=cache_capacity)
+
+
+def interleaved_medians(calls: dict, copies: dict, flush, rounds: int, iters: int) -> dict:
+    """GPU µs per call (SPEC §3: CUPTI, ``flush`` before each call) of each of ``calls`` and,
+    as ``"copy"``, of the faster of ``copies`` (the bench's same-bytes copies), timed in
+    ``rounds`` rounds that alternate them all: per name the median of its round medians."""
+    from qkrope.bench.timing import cupti_call_times_us
+
+    rounds_us = {"copy": [], **{n: [] for n in calls}}
+    for _ in range(rounds):
+        rounds_us["copy"].append(min(statistics.median(cupti_call_times_us(c, flush, iters=iters))
+                                     for c in copies.values()))
+        for n, fn in calls.items():
+            rounds_us[n].append(statistics.median(cupti_call_times_us(fn, flush, iters=iters)))
+    return {n: statistics.median(t) for n, t in rounds_us.items()}
 
 
 def row_op(row: Row):

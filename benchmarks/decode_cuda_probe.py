@@ -30,15 +30,30 @@ decode-cuda-h200-2026-12-03.md; analysis: docs/perf-notes.md.
 from __future__ import annotations
 
 import argparse
-import statistics
+import os
+import sys
 
 import torch
 
-import qkrope
-from qkrope.bench.timing import L2Flusher, cupti_call_times_us, same_bytes_copies
-from qkrope.suite import SUITE, bytes_moved, make_inputs
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import qkrope  # noqa: E402
+from _common import interleaved_medians  # noqa: E402
+from qkrope.bench.timing import L2Flusher, same_bytes_copies  # noqa: E402
+from qkrope.suite import SUITE, bytes_moved, make_inputs  # noqa: E402
 
 SOURCE = r"""
+// Every kernel takes the op's bhsd arguments (strides in bf16 elements), as launcher() passes.
+#define PARAMS                                                                                \
+    const unsigned short* q, const unsigned short* k, const unsigned short* v,                \
+    unsigned short* qo, unsigned short* ko, unsigned short* kc, unsigned short* vc,           \
+    const long long* pos, const long long* cpos, const unsigned short* qw,                    \
+    const unsigned short* kw, const float* inv, int Hq, int sqb, int sqh, int skb, int skh,   \
+    int svb, int svh, int sqob, int sqoh, int skob, int skoh, int scb, int sch, int scr,      \
+    int spb, double eps
+#define ARGS q, k, v, qo, ko, kc, vc, pos, cpos, qw, kw, inv, Hq, sqb, sqh, skb, skh, svb, svh, \
+    sqob, sqoh, skob, skoh, scb, sch, scr, spb, eps
+// An entry point per variant (BODY: a device template, parenthesised if it has a comma).
+#define ENTRY(NAME, BODY) extern "C" __global__ void NAME(PARAMS) { BODY(ARGS); }
 // bf16 as raw 16-bit patterns: NVRTC without headers.
 __device__ __forceinline__ float lo16(unsigned int u) { return __uint_as_float(u << 16); }
 __device__ __forceinline__ float hi16(unsigned int u) { return __uint_as_float(u & 0xFFFF0000u); }
@@ -85,13 +100,7 @@ __device__ __forceinline__ void row(const unsigned int* x, unsigned int* out, un
 
 // Grid (Hq + Hkv, B), one warp. Strides in bf16 elements; head_dim 128, contiguous rows, S = 1.
 template <int MODE>
-__device__ __forceinline__ void decode(
-    const unsigned short* q, const unsigned short* k, const unsigned short* v,
-    unsigned short* qo, unsigned short* ko, unsigned short* kc, unsigned short* vc,
-    const long long* pos, const long long* cpos, const unsigned short* qw,
-    const unsigned short* kw, const float* inv, int Hq, int sqb, int sqh, int skb, int skh,
-    int svb, int svh, int sqob, int sqoh, int skob, int skoh, int scb, int sch, int scr,
-    int spb, double eps) {
+__device__ __forceinline__ void decode(PARAMS) {
     int lane = threadIdx.x, h = blockIdx.x, bb = blockIdx.y;
     float p = MODE == 2 ? (float)pos[(long long)bb * spb] : 0.0f;
     if (h < Hq) {
@@ -112,20 +121,9 @@ __device__ __forceinline__ void decode(
     }
 }
 
-#define ENTRY(NAME, MODE)                                                                     \
-extern "C" __global__ void NAME(                                                              \
-    const unsigned short* q, const unsigned short* k, const unsigned short* v,                \
-    unsigned short* qo, unsigned short* ko, unsigned short* kc, unsigned short* vc,           \
-    const long long* pos, const long long* cpos, const unsigned short* qw,                    \
-    const unsigned short* kw, const float* inv, int Hq, int sqb, int sqh, int skb, int skh,   \
-    int svb, int svh, int sqob, int sqoh, int skob, int skoh, int scb, int sch, int scr,      \
-    int spb, double eps) {                                                                    \
-    decode<MODE>(q, k, v, qo, ko, kc, vc, pos, cpos, qw, kw, inv, Hq, sqb, sqh, skb, skh,     \
-                 svb, svh, sqob, sqoh, skob, skoh, scb, sch, scr, spb, eps);                  \
-}
-ENTRY(cuda_skeleton, 0)
-ENTRY(cuda_norm, 1)
-ENTRY(cuda_full, 2)
+ENTRY(cuda_skeleton, decode<0>)
+ENTRY(cuda_norm, decode<1>)
+ENTRY(cuda_full, decode<2>)
 
 // v2: nvcc sinks a load to its first use, so in v1 the norm weights and the second inverse
 // frequency are requested only after the row arrives (a second memory round trip, seen in the
@@ -145,13 +143,7 @@ __device__ __forceinline__ unsigned int pack2(float lo, float hi) {  // both rou
 }
 
 template <int MODE>  // 3: loads, RMS norm, stores; 4: the whole op
-__device__ __forceinline__ void decode2(
-    const unsigned short* q, const unsigned short* k, const unsigned short* v,
-    unsigned short* qo, unsigned short* ko, unsigned short* kc, unsigned short* vc,
-    const long long* pos, const long long* cpos, const unsigned short* qw,
-    const unsigned short* kw, const float* inv, int Hq, int sqb, int sqh, int skb, int skh,
-    int svb, int svh, int sqob, int sqoh, int skob, int skoh, int scb, int sch, int scr,
-    int spb, double eps) {
+__device__ __forceinline__ void decode2(PARAMS) {
     int lane = threadIdx.x, h = blockIdx.x, bb = blockIdx.y;
     bool is_q = h < Hq;
     int hk = h - Hq;
@@ -199,19 +191,8 @@ __device__ __forceinline__ void decode2(
     if (o2) { ((unsigned int*)o2)[lane] = pa; ((unsigned int*)o2)[32 + lane] = pb; }
 }
 
-#define ENTRY2(NAME, MODE)                                                                    \
-extern "C" __global__ void NAME(                                                              \
-    const unsigned short* q, const unsigned short* k, const unsigned short* v,                \
-    unsigned short* qo, unsigned short* ko, unsigned short* kc, unsigned short* vc,           \
-    const long long* pos, const long long* cpos, const unsigned short* qw,                    \
-    const unsigned short* kw, const float* inv, int Hq, int sqb, int sqh, int skb, int skh,   \
-    int svb, int svh, int sqob, int sqoh, int skob, int skoh, int scb, int sch, int scr,      \
-    int spb, double eps) {                                                                    \
-    decode2<MODE>(q, k, v, qo, ko, kc, vc, pos, cpos, qw, kw, inv, Hq, sqb, sqh, skb, skh,    \
-                  svb, svh, sqob, sqoh, skob, skoh, scb, sch, scr, spb, eps);                 \
-}
-ENTRY2(cuda_norm2, 3)
-ENTRY2(cuda_full2, 4)
+ENTRY(cuda_norm2, decode2<3>)
+ENTRY(cuda_full2, decode2<4>)
 
 // v3: LANES lanes per row (32 / LANES rows per warp), so log2(LANES) shuffle levels; a lane
 // holds E2 = 64 / LANES dims of each half (pairs stay in the lane), loaded as vectors.
@@ -242,13 +223,7 @@ template <> __device__ __forceinline__ void stv<4>(void* p, const unsigned int* 
 }
 
 template <int LANES, int MODE>  // MODE 3: loads, RMS norm, stores; 4: the whole op
-__device__ __forceinline__ void decode3(
-    const unsigned short* q, const unsigned short* k, const unsigned short* v,
-    unsigned short* qo, unsigned short* ko, unsigned short* kc, unsigned short* vc,
-    const long long* pos, const long long* cpos, const unsigned short* qw,
-    const unsigned short* kw, const float* inv, int Hq, int sqb, int sqh, int skb, int skh,
-    int svb, int svh, int sqob, int sqoh, int skob, int skoh, int scb, int sch, int scr,
-    int spb, double eps) {
+__device__ __forceinline__ void decode3(PARAMS) {
     constexpr int E2 = 64 / LANES, NW = E2 / 2;
     int l = threadIdx.x % LANES, bb = blockIdx.y;
     int h = blockIdx.x * (32 / LANES) + threadIdx.x / LANES;
@@ -321,21 +296,10 @@ __device__ __forceinline__ void decode3(
     if (o2) { stv<NW>(o2 + E2 * l, pa); stv<NW>(o2 + 64 + E2 * l, pb); }
 }
 
-#define ENTRY3(NAME, LANES, MODE)                                                             \
-extern "C" __global__ void NAME(                                                              \
-    const unsigned short* q, const unsigned short* k, const unsigned short* v,                \
-    unsigned short* qo, unsigned short* ko, unsigned short* kc, unsigned short* vc,           \
-    const long long* pos, const long long* cpos, const unsigned short* qw,                    \
-    const unsigned short* kw, const float* inv, int Hq, int sqb, int sqh, int skb, int skh,   \
-    int svb, int svh, int sqob, int sqoh, int skob, int skoh, int scb, int sch, int scr,      \
-    int spb, double eps) {                                                                    \
-    decode3<LANES, MODE>(q, k, v, qo, ko, kc, vc, pos, cpos, qw, kw, inv, Hq, sqb, sqh, skb,  \
-                         skh, svb, svh, sqob, sqoh, skob, skoh, scb, sch, scr, spb, eps);     \
-}
-ENTRY3(cuda_norm16, 16, 3)
-ENTRY3(cuda_full16, 16, 4)
-ENTRY3(cuda_norm8, 8, 3)
-ENTRY3(cuda_full8, 8, 4)
+ENTRY(cuda_norm16, (decode3<16, 3>))
+ENTRY(cuda_full16, (decode3<16, 4>))
+ENTRY(cuda_norm8, (decode3<8, 3>))
+ENTRY(cuda_full8, (decode3<8, 4>))
 """
 
 VARIANTS = ("cuda_skeleton", "cuda_norm", "cuda_full", "cuda_norm2", "cuda_full2", "cuda_norm16",
@@ -416,14 +380,7 @@ def main() -> None:
                      + match(args[5][:, :, slot], ref[3][:, :, slot])) / 2)
         matches.append((r, m))
         for label, fl in (("flushed", flush), ("warm", marker)):
-            times = {n: [] for n in names}
-            for _ in range(a.rounds):
-                times["copy"].append(min(statistics.median(cupti_call_times_us(c, fl, iters=a.iters))
-                                         for c in src_dst_copies.values()))
-                for n in names[1:]:
-                    times[n].append(statistics.median(cupti_call_times_us(calls[n], fl,
-                                                                          iters=a.iters)))
-            med = {n: statistics.median(t) for n, t in times.items()}
+            med = interleaved_medians(calls, src_dst_copies, fl, a.rounds, a.iters)
             print(f"| {r} | {label} | " + " | ".join(f"{med[n]:.2f}" for n in names) + " |",
                   flush=True)
     print("\nbf16 match to qkrope.reference (Q / K / cache rows), random norm weights:")

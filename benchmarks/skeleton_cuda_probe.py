@@ -23,13 +23,17 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
+import sys
 
 import torch
 
-import qkrope
-from qkrope.bench.timing import L2Flusher, cupti_call_times_us, same_bytes_copies
-from qkrope.suite import SUITE, bytes_moved, make_inputs
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import qkrope  # noqa: E402
+from _common import interleaved_medians  # noqa: E402
+from qkrope.bench.timing import L2Flusher, same_bytes_copies  # noqa: E402
+from qkrope.suite import SUITE, bytes_moved, make_inputs  # noqa: E402
 
 SOURCE = r"""
 __device__ __forceinline__ void ld16(const void* p, unsigned int* r) {
@@ -165,14 +169,7 @@ def main() -> None:
             exact &= all(torch.equal(x.view(torch.int16), y.view(torch.int16)) for x, y in (
                 (q_out, args[0]), (k_out, args[1]), (args[4][:, :, rows], args[1]),
                 (args[5][:, :, rows], args[2])))
-        times = {n: [] for n in names}
-        for _ in range(a.rounds):
-            times["copy"].append(min(statistics.median(cupti_call_times_us(c, flush, iters=a.iters))
-                                     for c in copies.values()))
-            for n in names[1:]:
-                times[n].append(statistics.median(cupti_call_times_us(calls[n], flush,
-                                                                      iters=a.iters)))
-        med = {n: statistics.median(t) for n, t in times.items()}
+        med = interleaved_medians(calls, copies, flush, a.rounds, a.iters)
         skel = min(med[n] for n in VARIANTS)
         best["copy"].append(med["copy"])
         best["qkrope"].append(med["qkrope"])
