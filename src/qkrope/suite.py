@@ -11,7 +11,8 @@ import torch
 __all__ = [
     "Workload", "SUITE", "PAGED_SUITE", "ModelGeometry", "MODELS", "DEFAULT_MODEL", "OpInputs",
     "make_inputs", "make_paged_inputs", "cache_rows_needed", "rope_inv_freq", "TensorCheck",
-    "check_outputs", "bytes_moved", "reduced_workload", "reduced_geometry", "REDUCED_MAX_SEQ", "REDUCED_MAX_BATCH",
+    "check_outputs", "bytes_moved", "reduced_workload", "reduced_geometry", "REDUCED_MAX_SEQ",
+    "REDUCED_MAX_BATCH",
 ]
 
 
