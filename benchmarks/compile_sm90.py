@@ -59,6 +59,8 @@ FEATURES = {
     "d64": ({}, False, 64),
     "d256": ({}, False, 256),
     "d512": ({}, False, 512),
+    # Qwen3.5 / Qwen3-Next full attention: heads of 256, a quarter rotated, (1 + w) weights.
+    "qwen35": ({"rotary_dim": 64, "norm_weight_offset": 1.0}, False, 256),
 }
 
 

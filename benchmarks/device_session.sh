@@ -26,6 +26,7 @@
 #   bash benchmarks/device_session.sh cuda-decode # decode #1/#2: hand-written CUDA kernels (~20 s)
 #   bash benchmarks/device_session.sh cuda-skeleton # the op's loads/stores in CUDA, all 13 rows (~20 s)
 #   bash benchmarks/device_session.sh small-tiles # one head per program vs tiles, 1-64 tokens, 5 models
+#   bash benchmarks/device_session.sh partial-freqs # probe partial_rotary_freqs: GPU tests, A/B on qwen3.5
 # What needs no GPU runs here instead: python benchmarks/compile_sm90.py (benchmarks/README.md).
 # Liger-Kernel, if wanted, travels as a wheel in .whl/ (see the device tool's README).
 set -uo pipefail
@@ -122,5 +123,15 @@ case "${1:-tests}" in
          done ;;
   cuda-skeleton) python3 benchmarks/skeleton_cuda_probe.py --rounds 5 --iters 40 \
             2>&1 | tee "$OUT/skeleton-cuda.md" ;;
+  partial-freqs) # the candidate of docs/perf-notes.md "Open leads" 3 (~6 min): the GPU tests on
+          # the patched tree, then the working tree and the patched tree against 1fc148b (a commit
+          # the device copy's git holds) on Qwen3.5's heads, interleaved
+    python3 benchmarks/probe_trees.py /tmp/p partial_rotary_freqs || exit 1
+    PYTHONPATH=/tmp/p/partial_rotary_freqs/src${PYTHONPATH:+:$PYTHONPATH} python3 -m pytest -q \
+      tests/ -p no:cacheprovider -n 12 2>&1 | tee "$OUT/pytest-partial-freqs.log" | tail -4
+    python3 benchmarks/kernel_ab.py --rev 1fc148b --model qwen3.5-27b \
+      --tree freqs=/tmp/p/partial_rotary_freqs/src --rounds 3 --iters 40 \
+      --workloads 1,2,3,4,5,8,10,12,13,p1,p2 --json "$OUT/kernel-ab-partial-freqs.json" \
+      2>&1 | tee "$OUT/kernel-ab-partial-freqs.md" ;;
   *) echo "unknown step $1" >&2; exit 2 ;;
 esac

@@ -40,6 +40,32 @@ NO_TRIG = (KERNEL, '''        cos = libdevice.cos(angle)
 # largest element offset fits, int64 otherwise.
 INT32_ADDRESSING = (KERNEL, ".to(tl.int64)", ".to(tl.int32)", "every")
 
+# Partial NeoX rotary (Qwen3.5: 64 of 256 dims), the low half: NeoX's frequency of dim d is
+# d % (ROT / 2), so cos/sin of the ROT / 2 distinct frequencies (32, not 128) tiled over the
+# half give the same values. Exact (interpreter tests); on sm_90 the one-row program drops from
+# 1864 to 920 SASS instructions (compile_sm90.py --features qwen35 on the patched tree). Adopt
+# if kernel_ab on qwen3.5-27b shows it (docs/perf-notes.md, "Open leads").
+PARTIAL_ROTARY_FREQS = (KERNEL, '''    angle = _angles(pos_ptr, pos_off, t_mask, freq, inv_freq_ptr, stride_inv_freq, stride_pos_r,
+                    MROPE, SEC_T, SEC_H, SEC_W, WIDE)
+    cos, sin = _cos_sin(angle[None, :, :], DT, COS_SIN_SCALE, INTERPRETER)
+''', '''    R2: tl.constexpr = ROT // 2
+    BT: tl.constexpr = x.shape[1]
+    N: tl.constexpr = x.shape[2]
+    # Only ever true for the low half (d = arange(N)): the high half is rotated only when
+    # GPT-J or ROT > N.
+    PERIODIC: tl.constexpr = (not GPTJ) and ROT <= N and N % R2 == 0 and (R2 & (R2 - 1)) == 0
+    if PERIODIC:
+        angle = _angles(pos_ptr, pos_off, t_mask, tl.arange(0, R2), inv_freq_ptr,
+                        stride_inv_freq, stride_pos_r, MROPE, SEC_T, SEC_H, SEC_W, WIDE)
+        cos, sin = _cos_sin(angle, DT, COS_SIN_SCALE, INTERPRETER)
+        cos = tl.reshape(tl.broadcast_to(cos[:, None, :], (BT, N // R2, R2)), (BT, N))[None]
+        sin = tl.reshape(tl.broadcast_to(sin[:, None, :], (BT, N // R2, R2)), (BT, N))[None]
+    else:
+        angle = _angles(pos_ptr, pos_off, t_mask, freq, inv_freq_ptr, stride_inv_freq,
+                        stride_pos_r, MROPE, SEC_T, SEC_H, SEC_W, WIDE)
+        cos, sin = _cos_sin(angle[None, :, :], DT, COS_SIN_SCALE, INTERPRETER)
+''')
+
 VARIANTS = {
     # loads and stores only: a lower bound (wrong results by design; never adopt)
     "skeleton": [SKELETON],
@@ -47,6 +73,8 @@ VARIANTS = {
     "no_trig": [NO_TRIG],
     # int32 address arithmetic: what int64 offsets cost (wrong past 2**31 elements by design)
     "int32_addressing": [INT32_ADDRESSING],
+    # partial NeoX rotary: cos/sin on the ROT / 2 distinct frequencies (exact; a candidate)
+    "partial_rotary_freqs": [PARTIAL_ROTARY_FREQS],
 }
 
 

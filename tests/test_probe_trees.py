@@ -1,0 +1,58 @@
+"""The kernel variants of benchmarks/probe_trees.py still apply to the kernel, and the exact
+candidate among them (``partial_rotary_freqs``) still matches the reference, so the device step
+that measures them (benchmarks/device_session.sh) never times a stale or wrong tree."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
+                                reason="CPU check; on a GPU the step partial-freqs runs the tests")
+
+
+def make_trees(dest: Path, *names: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "probe_trees.py"), str(dest),
+                           *names], capture_output=True, text=True, timeout=120)
+
+
+def test_every_variant_applies_to_the_kernel(tmp_path):
+    out = make_trees(tmp_path)
+    assert out.returncode == 0, out.stderr
+    made = sorted(p.parent.name for p in tmp_path.glob("*/src"))
+    assert made == sorted(["skeleton", "no_trig", "int32_addressing", "partial_rotary_freqs"])
+    kernel = "qkrope/ops/qknorm_rope/kernel.py"
+    original = (ROOT / "src" / kernel).read_text()
+    for name in made:
+        assert (tmp_path / name / "src" / kernel).read_text() != original, name
+
+
+def test_an_unknown_variant_is_refused(tmp_path):
+    out = make_trees(tmp_path, "no_such_variant")
+    assert out.returncode != 0 and "unknown variant" in out.stderr
+
+
+def test_partial_rotary_freqs_matches_the_reference(tmp_path):
+    """The partial-rotary cases of the op's tests (NeoX 32 of 128, Qwen3.5's 64 of 256 with
+    (1 + w) weights, mRoPE), run on the patched tree in the interpreter."""
+    assert make_trees(tmp_path, "partial_rotary_freqs").returncode == 0
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "partial_rotary_freqs" / "src"))
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+         str(ROOT / "tests" / "test_qknorm_rope.py"), "-k",
+         "neox_partial or qwen35_gated_partial_offset or partial_neox or mrope_contiguous_partial"],
+        capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+    tail = out.stdout[-2000:]
+    assert out.returncode == 0, tail
+    assert "4 passed" in tail, tail
+    # the patched package was the one tested
+    probe = subprocess.run([sys.executable, "-c", "import qkrope; print(qkrope.__file__)"],
+                           capture_output=True, text=True, timeout=120, env=env)
+    assert str(tmp_path) in probe.stdout
