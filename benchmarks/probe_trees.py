@@ -42,9 +42,8 @@ INT32_ADDRESSING = (KERNEL, ".to(tl.int64)", ".to(tl.int32)", "every")
 
 # Partial NeoX rotary (Qwen3.5: 64 of 256 dims), the low half: NeoX's frequency of dim d is
 # d % (ROT / 2), so cos/sin of the ROT / 2 distinct frequencies (32, not 128) tiled over the
-# half give the same values. Exact (interpreter tests); on sm_90 the one-row program drops from
-# 1864 to 920 SASS instructions (compile_sm90.py --features qwen35 on the patched tree). Adopt
-# if kernel_ab on qwen3.5-27b shows it (docs/perf-notes.md, "Open leads").
+# half give the same values. Exact (tests/test_probe_trees.py); its SASS counts, prediction and
+# the device step that decides adoption: docs/perf-notes.md, "Open leads".
 PARTIAL_ROTARY_FREQS = (KERNEL, '''    angle = _angles(pos_ptr, pos_off, t_mask, freq, inv_freq_ptr, stride_inv_freq, stride_pos_r,
                     MROPE, SEC_T, SEC_H, SEC_W, WIDE)
     cos, sin = _cos_sin(angle[None, :, :], DT, COS_SIN_SCALE, INTERPRETER)

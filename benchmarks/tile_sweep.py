@@ -37,7 +37,7 @@ from _common import (  # noqa: E402
 )
 from qkrope._interpret import interpreting  # noqa: E402
 from qkrope.ops.qknorm_rope import launcher  # noqa: E402
-from qkrope.suite import MODELS, bytes_moved, check_outputs  # noqa: E402
+from qkrope.suite import DEFAULT_MODEL, MODELS, bytes_moved, check_outputs  # noqa: E402
 
 DEFAULT_CONFIGS = ["pick", "1,1,1,1", "2,1,1,1", "2,2,1,1", "8,8,1,2", "16,8,1,2", "32,8,1,4",
                    "16,8,2,2"]
@@ -89,7 +89,7 @@ def main() -> None:
                    help="check every candidate against the reference, time nothing (runs in "
                         "Triton's interpreter without a GPU: keep the rows tiny; variants patch "
                         "only the GPU code path, so there they pass like production)")
-    p.add_argument("--model", default="qwen3-coder-480b", choices=sorted(MODELS),
+    p.add_argument("--model", default=DEFAULT_MODEL.name, choices=sorted(MODELS),
                    help="head geometry of the rows (default: the suite's 96/8/128)")
     p.add_argument("--json", metavar="PATH", help="write every timed call here")
     args = p.parse_args()
@@ -153,8 +153,8 @@ def main() -> None:
                         launcher.launch(*launch_args(a, q_out, k_out, opts))
                 times[name] += cupti_call_times_us(call, flush, iters=args.iters)
         med = sorted((statistics.median(t), name) for name, t in times.items())
-        print(f"#{row.label} {w.name} floor {bytes_moved(w, model) / bw * 1e6:.2f} µs, pick_config "
-              f"{pick}: " + "  ".join(f"({name})={t:.2f}{'' if ok[name] == 'ok' else ' WRONG'}"
+        print(f"#{row.label} {w.name} floor {bytes_moved(w, model) / bw * 1e6:.2f} µs, "
+              f"pick_config {pick}: " + "  ".join(f"({name})={t:.2f}{'' if ok[name] == 'ok' else ' WRONG'}"
                                        for t, name in med)
               + "".join(f"  ({name}) {ok[name]}" for name, _, _ in candidates
                         if name not in times), flush=True)

@@ -4,6 +4,7 @@ that measures them (benchmarks/device_session.sh) never times a stale or wrong t
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -13,6 +14,10 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("probe_trees",
+                                               ROOT / "benchmarks" / "probe_trees.py")
+probe_trees = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(probe_trees)
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
                                 reason="CPU check; on a GPU the step partial-freqs runs the tests")
@@ -27,11 +32,10 @@ def test_every_variant_applies_to_the_kernel(tmp_path):
     out = make_trees(tmp_path)
     assert out.returncode == 0, out.stderr
     made = sorted(p.parent.name for p in tmp_path.glob("*/src"))
-    assert made == sorted(["skeleton", "no_trig", "int32_addressing", "partial_rotary_freqs"])
-    kernel = "qkrope/ops/qknorm_rope/kernel.py"
-    original = (ROOT / "src" / kernel).read_text()
+    assert made == sorted(probe_trees.VARIANTS) and "partial_rotary_freqs" in made
+    original = (ROOT / "src" / probe_trees.KERNEL).read_text()
     for name in made:
-        assert (tmp_path / name / "src" / kernel).read_text() != original, name
+        assert (tmp_path / name / "src" / probe_trees.KERNEL).read_text() != original, name
 
 
 def test_an_unknown_variant_is_refused(tmp_path):
