@@ -423,7 +423,8 @@ def test_patched_decode_step_compiles_into_one_graph(family):
     finally:
         torch._dynamo.reset()
     assert len(graphs) == 1
-    assert sum(n.target is torch.ops.qkrope.qknorm_rope for n in graphs[0].graph.nodes) == n_attn
+    op = torch.ops.qkrope.qknorm_rope.default
+    assert sum(n.target is op for n in graphs[0].graph.nodes) == n_attn
     assert torch.equal(tokens, eager_tokens)
     assert_same_cache(cache, eager_cache)
 
@@ -468,3 +469,71 @@ def test_patched_model_under_generate_compile(family):
         stock_err = (stock[step] - eager[step]).abs().max()
         fused_err = (fused[step] - eager[step]).abs().max()
         assert fused_err <= 2 * stock_err + ulp, (step, fused_err, stock_err, ulp)
+
+
+def _decode(model, ids, cache, steps):
+    """Greedy decode ``steps`` tokens after prompt ``ids`` into ``cache``, as generate() does
+    it with a StaticCache (the model's own cache keyword)."""
+    kw = {cache_kwarg(model): cache}
+    with torch.no_grad():
+        nxt = model(ids, **kw, use_cache=True).logits[:, -1:].argmax(-1)
+        for i in range(steps):
+            pos = torch.full_like(nxt, ids.shape[1] + i)
+            nxt = model(nxt, **kw, position_ids=pos, use_cache=True).logits[:, -1:].argmax(-1)
+    return nxt
+
+
+def test_static_cache_overflow_raises_like_stock():
+    # Decoding past max_cache_len: the stock model's index_copy_ raises (IndexError on CPU, a
+    # device-side assert on a GPU); the op would skip the rows that do not fit (its padding
+    # rule) and go on with wrong tokens, so the patched layer must raise too.
+    model = _tiny_qwen3(seed=11)
+    ids = _prompt(1)["input_ids"]                       # 6 tokens
+    with pytest.raises(IndexError):
+        _decode(model, ids, StaticCache(config=model.config, max_cache_len=8), steps=4)
+    patch(model)
+    _decode(model, ids, StaticCache(config=model.config, max_cache_len=8), steps=2)  # fits
+    with pytest.raises(RuntimeError, match="StaticCache overflow.*max_cache_len=8"):
+        _decode(model, ids, StaticCache(config=model.config, max_cache_len=8), steps=4)
+    with pytest.raises(IndexError, match="6 new tokens do not fit.*max_cache_len=4"):
+        _decode(model, ids, StaticCache(config=model.config, max_cache_len=4), steps=0)
+
+
+def test_input_gradients_of_a_frozen_model_equal_stock():
+    # Prompt tuning / attributions: frozen weights, inputs_embeds that require grad. Autograd
+    # records through the layer's input, so the patched layer must take the stock forward.
+    model = _tiny_qwen3(seed=12)
+    model.requires_grad_(False)
+    ids = _prompt(1)["input_ids"]
+
+    def input_grad():
+        emb = model.model.embed_tokens(ids).detach().requires_grad_()
+        model(inputs_embeds=emb).logits.float().square().sum().backward()
+        return emb.grad
+
+    want = input_grad()
+    patch(model)
+    with pytest.warns(FallbackWarning, match="autograd is recording"):
+        got = input_grad()
+    assert torch.equal(got, want)
+
+
+def test_cache_comes_from_the_stock_keyword_only():
+    # A cache under the keyword the installed transformers' layers do not read (``cache=``
+    # before 5.24: the stock layers ignore it and the model builds its own DynamicCache, and
+    # its attention mask) must be handled as the stock layers handle it, not written while the
+    # mask was built for another cache (that mismatch crashed a compiled model on a GPU).
+    model = _tiny_qwen3(seed=13)
+    other = "past_key_values" if cache_kwarg(model) == "cache" else "cache"
+    ids = _prompt(1)["input_ids"]
+    caches = [StaticCache(config=model.config, max_cache_len=16) for _ in range(2)]
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # 5.24+ maps the old keyword, with a warning
+        stock = model(ids, **{other: caches[0]}, use_cache=True).logits
+        patch(model)
+        got = model(ids, **{other: caches[1]}, use_cache=True).logits
+    assert torch.equal(got, stock)
+    assert [layer.is_initialized for layer in caches[1].layers] == \
+        [layer.is_initialized for layer in caches[0].layers]
+    if caches[0].layers[0].is_initialized:
+        assert_same_cache(caches[1], caches[0])

@@ -326,11 +326,12 @@ def unpatch_qwen3(model: torch.nn.Module) -> int:
 # --------------------------------------------------------------------------------------------
 # call time
 # --------------------------------------------------------------------------------------------
-def _call_reason(self, plan: _Plan, position_embeddings) -> str | None:
+def _call_reason(self, plan: _Plan, hidden_states, position_embeddings) -> str | None:
     """Why this call must take the stock forward (cheap checks, no device sync), or None."""
     if self.training:
         return "the module is training (the op has no backward, and no dropout)"
-    if torch.is_grad_enabled() and any(p.requires_grad for p in plan.params):
+    if torch.is_grad_enabled() and (hidden_states.requires_grad or any(
+            p.requires_grad for p in plan.params)):
         return "autograd is recording (the op has no backward; use torch.no_grad())"
     state = plan.positions
     if "positions" not in state:
@@ -343,12 +344,14 @@ def _call_reason(self, plan: _Plan, position_embeddings) -> str | None:
 
 
 def _fused_forward(self, hidden_states, position_embeddings=None, attention_mask=None,
-                   cache=None, past_key_values=None, **kwargs):
-    """Drop-in for the family's attention forward (the 5.24 ``cache`` and the older
-    ``past_key_values`` keyword are both accepted)."""
+                   **kwargs):
+    """Drop-in for the family's attention forward. The cache comes from the keyword the stock
+    forward of the installed transformers takes it from (``cache`` from 5.24, before that
+    ``past_key_values``); any other keyword goes on to the attention function, as in the stock
+    forward (a ``cache=`` given to a 5.17 model is ignored there, so it is here)."""
     plan = self._qkrope_plan
-    cache = cache if cache is not None else past_key_values
-    reason = _call_reason(self, plan, position_embeddings)
+    cache = kwargs.pop(plan.cache_kwarg, None)
+    reason = _call_reason(self, plan, hidden_states, position_embeddings)
     if reason is not None:
         return _stock(self, plan, reason, hidden_states, position_embeddings, attention_mask,
                       cache, kwargs)
@@ -418,6 +421,7 @@ def _prologue(self, plan: _Plan, query, key, value, cache):
         # StaticLayer.update's bookkeeping: rows at a running device-side offset, advanced
         # only once the op has accepted the call.
         seq_len = key.shape[2]
+        _check_room(layer, seq_len)
         rows = torch.arange(seq_len, device=key.device) + layer.cumulative_length
         q_rot, k_rot, keys, values = fused_rope_with_qk_norm_and_kv_cache_update(
             query, key, value, positions, layer.keys, layer.values, rows,
@@ -436,6 +440,21 @@ def _prologue(self, plan: _Plan, query, key, value, cache):
         query, key, value, positions, k_stand_in, v_stand_in, rows, _local(self.q_norm.weight),
         _local(self.k_norm.weight), inv_freq, plan.eps, **options)
     return q_rot, k_rot, None, None
+
+
+def _check_room(layer: StaticLayer, seq_len: int) -> None:
+    """Refuse to write past a StaticCache's ``max_cache_len``, which the op would skip silently
+    (rows outside the cache are its padding marker): the stock ``index_copy_`` raises there (an
+    IndexError on CPU, a device-side assert on a GPU), so this does the same. A prompt longer
+    than the cache is known on the host; the running offset lives on the device, so that check
+    is an asynchronous device assert (no host sync on the decode path)."""
+    room = layer.max_cache_len
+    if seq_len > room:
+        raise IndexError(f"qkrope: {seq_len} new tokens do not fit a StaticCache of "
+                         f"max_cache_len={room}; make the cache larger")
+    torch._assert_async(layer.cumulative_length <= room - seq_len,
+                        f"qkrope: StaticCache overflow: writing {seq_len} rows past "
+                        f"max_cache_len={room}; make the cache larger")
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:

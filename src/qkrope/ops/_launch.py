@@ -148,6 +148,9 @@ class KernelLauncher:
         index = self.per_call.index
         self.rules = bytes([len(written), *map(index, written), len(in_place),
                             *(index(n) for pair in in_place for n in pair)])
+        # The written inputs of fast_call (the outputs come after the inputs in per_call).
+        self._written_inputs = tuple(index(n) for n in written
+                                     if index(n) < len(self.per_call) - 3)
         self.plans: dict = {}
 
     def launch(self, grid: tuple, args: dict, meta: dict, device: torch.device):
@@ -195,6 +198,10 @@ class KernelLauncher:
         addresses = packed[1]
         query_out, key_out, *addresses[-2:] = _native.outputs_fn()(query, key, query_out, key_out)
         plan.launch((*addresses, eps))
+        # As torch's own in-place ops do: a tensor saved for backward and overwritten here
+        # makes that backward raise instead of using stale values.
+        torch._C._increment_version((*(inputs[i] for i in self._written_inputs), query_out,
+                                     key_out))
         return query_out, key_out
 
     def remember(self, key, compiled, grid: tuple, args: dict, meta: dict,

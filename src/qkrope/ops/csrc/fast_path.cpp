@@ -8,8 +8,9 @@
 // data addresses the launch passes: one call instead of ~60 Python attribute reads. The key is a
 // function of shapes and strides, not of addresses, so the memory-overlap rule (../_overlap.py,
 // `rules` names the written arguments) runs here on every call. Anything but a plain
-// torch.Tensor / nn.Parameter (a subclass, a non-tensor), a tensor without strides, or a written
-// tensor that may overlap another argument gives None: the checked path handles (or names) it.
+// torch.Tensor / nn.Parameter (a subclass, a non-tensor), a tensor without strides, a tensor that
+// requires grad while grad mode is on, or a written tensor that may overlap another argument
+// gives None: the checked path handles (or names) it.
 
 #include <dlfcn.h>
 
@@ -175,6 +176,8 @@ static PyObject* qk_signature(PyObject*, PyObject* const* all_args, Py_ssize_t a
       }
       if (!THPVariable_CheckExact(obj)) { Py_DECREF(addrs); Py_RETURN_NONE; }
       const at::Tensor& t = THPVariable_Unpack(obj);
+      // The ops have no backward: the checked path refuses what autograd would record.
+      if (t.requires_grad() && at::GradMode::is_enabled()) { Py_DECREF(addrs); Py_RETURN_NONE; }
       const int64_t nd = t.dim();
       if (n + 6 + 2 * static_cast<size_t>(nd) > CAP) { Py_DECREF(addrs); Py_RETURN_NONE; }
       auto sizes = t.sizes();

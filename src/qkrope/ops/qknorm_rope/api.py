@@ -112,10 +112,8 @@ def fused_rope_with_qk_norm_and_kv_cache_update(
     Returns:
         ``(query_rotated, key_rotated, key_cache_out, value_cache_out)``.
     """
-    # The fast path's key: a plain tuple of the options (an Options is built only when checked).
-    opts = ("bhsd", rotary_style, rotary_dim, norm_weight_offset, norm_rounding, cos_sin_scale,
-            mrope_section if type(mrope_section) is not list else tuple(mrope_section),
-            mrope_interleaved)
+    opts = _fast_key("bhsd", rotary_style, rotary_dim, norm_weight_offset, norm_rounding,
+                     cos_sin_scale, mrope_section, mrope_interleaved, query)
     if inplace and not validate and not torch.compiler.is_compiling() and (
             scales := _NO_SCALES if k_scale is None and v_scale is None
             else _fast_scales(k_scale, v_scale, query)) is not None:
@@ -124,15 +122,14 @@ def fused_rope_with_qk_norm_and_kv_cache_update(
                                         *scales), query, key, query_out, key_out, rms_norm_eps)
         if out is not None:
             return (*out, key_cache, value_cache)
-    opts = Options(*opts)
     checked = check_bhsd(query, key, value, position_ids, key_cache, value_cache,
                          cache_position, q_norm_weight, k_norm_weight, inv_freq, rms_norm_eps,
-                         opts)
+                         Options(*opts))
     if not inplace:
         key_cache, value_cache = key_cache.clone(), value_cache.clone()
     query_out, key_out = _checked_call(
-        opts, checked, (query, key, value, position_ids, key_cache, value_cache, cache_position,
-                        q_norm_weight, k_norm_weight, inv_freq), k_scale, v_scale, query_out,
+        checked, (query, key, value, position_ids, key_cache, value_cache, cache_position,
+                  q_norm_weight, k_norm_weight, inv_freq), k_scale, v_scale, query_out,
         key_out, rms_norm_eps, validate, rows_bound=key_cache.shape[2], rows_name="cache_position")
     return query_out, key_out, key_cache, value_cache
 
@@ -192,9 +189,8 @@ def fused_qk_norm_rope_paged(
     Returns:
         ``(query_rotated [T, Hq, D], key_rotated [T, Hkv, D])``; the caches are written in place.
     """
-    opts = (cache_layout, rotary_style, rotary_dim, norm_weight_offset, norm_rounding,
-            cos_sin_scale, mrope_section if type(mrope_section) is not list else
-            tuple(mrope_section), mrope_interleaved)
+    opts = _fast_key(cache_layout, rotary_style, rotary_dim, norm_weight_offset, norm_rounding,
+                     cos_sin_scale, mrope_section, mrope_interleaved, query)
     if not validate and not torch.compiler.is_compiling() and (
             scales := _NO_SCALES if k_scale is None and v_scale is None
             else _fast_scales(k_scale, v_scale, query)) is not None:
@@ -203,41 +199,68 @@ def fused_qk_norm_rope_paged(
                                         *scales), query, key, query_out, key_out, rms_norm_eps)
         if out is not None:
             return out
-    opts = Options(*opts)
     checked = check_paged(query, key, value, positions, key_cache, value_cache, slot_mapping,
-                          q_norm_weight, k_norm_weight, inv_freq, rms_norm_eps, opts)
+                          q_norm_weight, k_norm_weight, inv_freq, rms_norm_eps, Options(*opts))
     bs = key_cache.shape[1] if checked.layout == "NHD" else key_cache.shape[2]
     return _checked_call(
-        opts, checked, (query, key, value, positions, key_cache, value_cache, slot_mapping,
+        checked, (query, key, value, positions, key_cache, value_cache, slot_mapping,
                         q_norm_weight, k_norm_weight, inv_freq), k_scale, v_scale, query_out,
         key_out, rms_norm_eps, validate, rows_bound=key_cache.shape[0] * bs,
         rows_name="slot_mapping")
 
 
-def _checked_call(opts: Options, checked: Options, tensors: tuple, k_scale, v_scale, query_out,
-                  key_out, rms_norm_eps, validate: bool, rows_bound: int, rows_name: str):
+def _checked_call(checked: Options, tensors: tuple, k_scale, v_scale, query_out, key_out,
+                  rms_norm_eps, validate: bool, rows_bound: int, rows_name: str):
     """The checked path shared by both entry points; ``tensors``: the ten input tensors in
-    the kernel's order, already checked; ``opts`` as the caller gave them (the fast path's key),
-    ``checked`` canonical."""
+    the kernel's order, already checked; ``checked``: the canonical options."""
     query, key, key_cache, value_cache = tensors[0], tensors[1], tensors[4], tensors[5]
     Hkv = key.shape[1]
     k_sc = scale_tensor("k_scale", k_scale, key_cache, Hkv)
     v_sc = scale_tensor("v_scale", v_scale, value_cache, Hkv)
     if validate:
         _validate(tensors[6], rows_bound, rows_name, k_sc, v_sc)
-    inputs = (*tensors, k_sc, v_sc)
-    signature = (None if torch.compiler.is_compiling()
-                 else LAUNCHER.signature(tuple(opts), (*inputs, query_out, key_out)))
     query_out, key_out = _outputs(query, key, query_out, key_out)
-    result = qknorm_rope(
-        *inputs, query_out, key_out, float(rms_norm_eps), checked.layout, checked.rotary_style,
-        checked.rotary_dim, checked.norm_weight_offset, checked.norm_rounding,
-        checked.cos_sin_scale, None if checked.mrope_section is None else
-        list(checked.mrope_section), checked.mrope_interleaved)
-    if result is not None:  # eager: keep a plan for the fast path (or start its build)
-        LAUNCHER.remember(None if signature is None else signature[0], *result,
-                          query.get_device())
+    _refuse_autograd(checked.layout, (*tensors, query_out, key_out))
+    qknorm_rope(
+        *tensors, k_sc, v_sc, query_out, key_out, float(rms_norm_eps), checked.layout,
+        checked.rotary_style, checked.rotary_dim, checked.norm_weight_offset,
+        checked.norm_rounding, checked.cos_sin_scale, None if checked.mrope_section is None
+        else list(checked.mrope_section), checked.mrope_interleaved)
     return query_out, key_out
+
+
+_NAMES = {"bhsd": ("query", "key", "value", "position_ids", "key_cache", "value_cache",
+                   "cache_position", "q_norm_weight", "k_norm_weight", "inv_freq", "query_out",
+                   "key_out"),
+          "paged": ("query", "key", "value", "positions", "key_cache", "value_cache",
+                    "slot_mapping", "q_norm_weight", "k_norm_weight", "inv_freq", "query_out",
+                    "key_out")}
+
+
+def _refuse_autograd(layout: str, tensors: tuple) -> None:
+    """The op has no backward: refuse what autograd would record rather than return outputs
+    cut off from the graph (wrong, silent gradients). Under torch.compile this runs at trace
+    time, guarded on grad mode and ``requires_grad``."""
+    if not torch.is_grad_enabled():
+        return
+    for name, t in zip(_NAMES["bhsd" if layout == "bhsd" else "paged"], tensors):
+        if t.requires_grad:
+            raise RuntimeError(
+                f"{name} requires grad, but qkrope's fused op has no backward (autograd): call "
+                f"it under torch.no_grad() / torch.inference_mode(), or pass {name}.detach()")
+
+
+def _fast_key(layout, rotary_style, rotary_dim, norm_weight_offset, norm_rounding,
+              cos_sin_scale, mrope_section, mrope_interleaved, query) -> tuple:
+    """The options as the fast path's key: equal to the canonical :class:`Options` the checks
+    return for valid arguments (``rotary_dim`` None is head_dim), so eager calls and the
+    registered op's body (which gets canonical options) share one plan per signature."""
+    if rotary_dim is None and type(query) is torch.Tensor and query.dim():
+        rotary_dim = query.shape[-1]
+    if type(mrope_section) is list:
+        mrope_section = tuple(mrope_section)
+    return (layout, rotary_style, rotary_dim, norm_weight_offset, norm_rounding, cos_sin_scale,
+            mrope_section, mrope_interleaved)
 
 
 _NO_SCALES = (None, None)

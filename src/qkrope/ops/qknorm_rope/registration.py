@@ -1,58 +1,21 @@
 """``torch.ops.qkrope.qknorm_rope``: the op as a PyTorch custom op, for ``torch.compile``.
 
-:func:`custom_op` is written once for every op: it registers a destination-passing op (the
-caller provides every output; the op mutates them and the caches and returns nothing, so
-``torch.compile`` sees exactly which tensors are written, with no functionalisation copy of the
-caches and nothing for the fake to allocate) and returns the callable the public functions use.
-That callable goes through the dispatcher only while ``torch.compile`` traces; eager calls run
-the body directly, since the dispatcher adds host time to every call
-(benchmarks/e2e_qwen3.py measures both routes). One direction: public function -> checks ->
-this callable -> the launch.
+Its body is what every launch runs, eager or inside a compiled graph: the native fast path for
+a signature it has seen (``KernelLauncher.fast_call``: no Python checks, one ``cuLaunchKernel``),
+else the checked launch, which keeps a plan for that signature. Inside a compiled graph the
+arguments were checked when the graph was traced, so each call costs what an eager fast-path
+call does plus the dispatcher (docs/design.md, "The compile route"). One direction: public
+function -> checks -> this op -> the launch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-from .launcher import Options, launch
+from .._custom_op import custom_op
+from .launcher import LAUNCHER, Options, launch
 
-__all__ = ["custom_op", "qknorm_rope"]
-
-
-def custom_op(name: str, body: Callable, mutates_args: tuple[str, ...]) -> Callable:
-    """Register ``body`` (a fully annotated function) as ``torch.ops.qkrope.<name>`` with a fake
-    that does nothing; return a function with ``body``'s arguments that runs ``body`` directly
-    when eager (returning what it returns) and the registered op while compiling (None)."""
-    op = torch.library.custom_op(f"qkrope::{name}", mutates_args=mutates_args)(
-        _returning_none(body))
-    op.register_fake(lambda *args, **kwargs: None)
-    dispatched = getattr(torch.ops.qkrope, name)
-
-    def call(*args):
-        if torch.compiler.is_compiling():
-            return dispatched(*args)
-        return body(*args)
-
-    call.__name__ = call.__qualname__ = name
-    call.__doc__ = body.__doc__
-    return call
-
-
-def _returning_none(body: Callable) -> Callable:
-    def op(*args, **kwargs) -> None:
-        body(*args, **kwargs)
-
-    op.__name__, op.__doc__ = body.__name__, body.__doc__
-    op.__signature__ = _none_signature(body)
-    return op
-
-
-def _none_signature(body: Callable):
-    import inspect
-
-    return inspect.signature(body).replace(return_annotation=None)
+__all__ = ["qknorm_rope"]
 
 
 def _qknorm_rope(
@@ -79,15 +42,20 @@ def _qknorm_rope(
     cos_sin_scale: float,
     mrope_section: list[int] | None,
     mrope_interleaved: bool,
-):
+) -> None:
     """Checked arguments of either entry point, options in canonical form; writes
-    ``query_out``, ``key_out`` and the cache rows."""
+    ``query_out``, ``key_out`` and the cache rows, and bumps their version counters."""
     opts = Options(layout, rotary_style, rotary_dim, norm_weight_offset, norm_rounding,
                    cos_sin_scale, None if mrope_section is None else tuple(mrope_section),
                    mrope_interleaved)
-    return launch(query, key, value, positions, key_cache, value_cache, slots, q_norm_weight,
-                  k_norm_weight, inv_freq, k_scale, v_scale, query_out, key_out, rms_norm_eps,
-                  opts)
+    inputs = (query, key, value, positions, key_cache, value_cache, slots, q_norm_weight,
+              k_norm_weight, inv_freq, k_scale, v_scale)
+    if LAUNCHER.fast_call(opts, inputs, query, key, query_out, key_out, rms_norm_eps) is None:
+        signature = LAUNCHER.signature(opts, (*inputs, query_out, key_out))
+        result = launch(*inputs, query_out, key_out, rms_norm_eps, opts)
+        LAUNCHER.remember(None if signature is None else signature[0], *result,
+                          query.get_device())
+        torch._C._increment_version((key_cache, value_cache, query_out, key_out))
 
 
 qknorm_rope = custom_op("qknorm_rope", _qknorm_rope,
