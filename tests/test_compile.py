@@ -83,3 +83,21 @@ def test_paged_opcheck():
     torch.library.opcheck(torch.ops.qkrope.qknorm_rope.default,
                           (*args[:10], None, None, *outs, args[10], "NHD", "gptj", 32, 0.0,
                            "weight_fp32", 1.0, None, False))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="host time of GPU launches")
+def test_compiled_op_host_time_is_a_small_multiple_of_a_trivial_op():
+    # Inside a compiled graph every call goes through the dispatcher and the op's body; the
+    # body must take the native fast path (no Python checks, no Triton launcher), so its host
+    # time stays within a few times that of a registered op that only adds one to a tensor
+    # (the figures themselves: qkrope bench --e2e; under the old custom_op route the ratio was
+    # ~50). Where the native route is off, the checked path runs and this bound does not apply.
+    from qkrope.bench.e2e import op_host_times
+    from qkrope.ops._launch import route
+
+    if route()[0] != "native":
+        pytest.skip(f"native launch route not in use: {route()[1]}")
+    h = op_host_times(calls=1000)
+    assert h["compiled graph"] <= 4 * h["trivial op, compiled graph"], h
+    assert h["compiled graph"] <= 2 * h["eager fast path"] + 5, h

@@ -100,6 +100,32 @@ def _seconds(text: str) -> float:
     return t
 
 
+E2E_MODES = ("eager", "compile", "reduce-overhead", "generate")  # qkrope.bench.e2e.MODES
+E2E_PHASES = ("decode", "prefill")
+E2E_PRESETS = ("qwen3-8b", "qwen3-32b", "qwen3.5-27b")             # qkrope.bench.e2e.PRESETS
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"wants comma-separated positive integers, got {text!r}")
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"wants comma-separated positive integers, got {text!r}")
+    return values
+
+
+def _choice_list(choices: tuple[str, ...]):
+    def parse(text: str) -> list[str]:
+        values = [x.strip() for x in text.split(",") if x.strip()]
+        bad = [v for v in values if v not in choices]
+        if bad or not values:
+            raise argparse.ArgumentTypeError(f"wants a comma-separated list of "
+                                             f"{', '.join(choices)}, got {text!r}")
+        return values
+    return parse
+
+
 def _version_line() -> str:
     import torch
     import triton
@@ -133,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--list", action="store_true",
                    help="print the suite's workloads and the implementations, and exit")
     b.add_argument("--impl", metavar="NAMES", default=None, help=_impl_help())
-    b.add_argument("--model", choices=sorted(MODELS), default="qwen3-coder-480b",
+    b.add_argument("--model", choices=sorted(MODELS), default=None,
                    help="head geometry and RoPE constants: "
                         + ", ".join(f"{m.name} {m.num_q_heads}/{m.num_kv_heads}/{m.head_dim}"
                                     for m in MODELS.values())
@@ -178,6 +204,33 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--plot", metavar="PATH",
                    help="write a PNG of latency vs tokens with the bandwidth floor (needs "
                         "matplotlib and a CUDA GPU)")
+
+    e = b.add_argument_group(
+        "end to end (--e2e)",
+        "A Qwen3-family model (random weights, a few layers at a preset's real width), stock "
+        "vs patched with qkrope.integrations.transformers.patch, per batch: a decode step and "
+        "a prefill, eager, torch.compile, torch.compile(mode='reduce-overhead') and "
+        "generate(cache_implementation='static'); wall ms per step with host time, a "
+        "correctness column (patched vs stock logits on a fixed token stream, against the "
+        "stock compiled model's own drift from stock eager), graph breaks and recompiles. "
+        "--model picks one preset (default: all three); --json, --plot, --seed and "
+        "--native-wait apply. Without a CUDA GPU: a tiny model through Triton's interpreter, "
+        "correctness and graph counts only.")
+    e.add_argument("--e2e", action="store_true",
+                   help="run the end-to-end model benchmark instead of the op suite")
+    e.add_argument("--batch", type=_int_list, default=None, metavar="B,...",
+                   help="batches (default 1,8,64 on a GPU, 1,2 without)")
+    e.add_argument("--modes", type=_choice_list(E2E_MODES), default=None, metavar="M,...",
+                   help=f"modes, of {','.join(E2E_MODES)} (default: all)")
+    e.add_argument("--phases", type=_choice_list(E2E_PHASES), default=None, metavar="P,...",
+                   help=f"phases, of {','.join(E2E_PHASES)} (default: both)")
+    e.add_argument("--layers", type=_positive_int, default=4, metavar="N",
+                   help="decoder layers of the model (default 4; 2 without a GPU)")
+    e.add_argument("--steps", type=_positive_int, default=20, metavar="N",
+                   help="timed decode steps (prefills: N // 4, at least 3) after 5 warm-up "
+                        "steps (default 20; 3 after 2 without a GPU)")
+    e.add_argument("--prefill-len", type=_positive_int, default=512, metavar="S",
+                   help="prefill tokens per sequence (default 512; 24 without a GPU)")
 
     i = sub.add_parser("info", help="versions, GPU, Triton interpreter state and which launch "
                                         "route is active, and why",
@@ -310,9 +363,76 @@ class _ProgressBar:
         self._bar.update(self._task, advance=amount, n=self._n)
 
 
+def _bench_e2e(args) -> int:
+    import torch
+    from rich.console import Console
+
+    from .bench.e2e import (render_e2e_markdown, run_e2e, write_e2e_json, write_e2e_plot)
+
+    err = Console(stderr=True)
+    timed = torch.cuda.is_available()
+    if args.model is not None and args.model not in E2E_PRESETS:
+        raise UsageError(f"--e2e --model: one of {', '.join(E2E_PRESETS)}, got {args.model!r}")
+    if args.shape or args.sweep or args.layout != "bhsd" or args.impl:
+        raise UsageError("--e2e runs whole models: --shape, --sweep, --layout and --impl do "
+                         "not apply")
+    for opt, path in (("--json", args.json), ("--plot", args.plot)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder and not os.path.isdir(folder):
+            raise UsageError(f"{opt} {path}: folder {folder} does not exist")
+        if path and os.path.isdir(path):
+            raise UsageError(f"{opt} {path}: is a folder; give a file name")
+    if args.plot:
+        try:
+            importlib.import_module("matplotlib")
+        except ImportError:
+            raise UsageError("--plot needs matplotlib: pip install 'qkrope[plot]'") from None
+    presets = [args.model] if args.model else list(E2E_PRESETS)
+    if not timed:
+        presets = presets[:1]
+        err.print("No CUDA device: a tiny model of the first preset's family through Triton's "
+                  "interpreter (correctness, graph breaks, recompiles). Timing needs a CUDA "
+                  "GPU.", highlight=False, markup=False)
+    else:
+        from .ops import _native
+
+        if _native.enabled() and args.native_wait > 0:
+            _native.load(timeout=args.native_wait)   # time the launch route users get
+        err.print(f"launch route: {_native.status()}", highlight=False, markup=False)
+
+    def keep(report) -> None:
+        if args.json:
+            write_e2e_json(report, args.json)
+
+    with _ProgressBar(err) as bar:
+        report = run_e2e(presets, args.batch or ([1, 8, 64] if timed else [1, 2]),
+                         args.modes or list(E2E_MODES), args.phases or list(E2E_PHASES),
+                         layers=args.layers if timed or args.layers != 4 else 2,
+                         steps=args.steps if timed or args.steps != 20 else 3,
+                         warmup=5 if timed else 2,
+                         prefill_len=args.prefill_len if timed or args.prefill_len != 512
+                         else 24, seed=args.seed, progress=bar, on_update=keep)
+    keep(report)
+    print(render_e2e_markdown(report))
+    if args.plot:
+        if timed:
+            write_e2e_plot(report, args.plot)
+            err.print(f"wrote {args.plot}", highlight=False, markup=False)
+        else:
+            err.print(f"--plot {args.plot}: nothing timed without a CUDA GPU, no plot written",
+                      highlight=False, markup=False)
+    if args.json:
+        err.print(f"wrote {args.json}", highlight=False, markup=False)
+    return 1 if any(c.error or c.correct is False for c in report.cells) else 0
+
+
 def _bench(args) -> int:
     if args.list:
         return _bench_list()
+    if args.e2e:
+        return _bench_e2e(args)
+    if args.model is None:
+        args.model = "qwen3-coder-480b"
     import torch
     from rich.console import Console
 

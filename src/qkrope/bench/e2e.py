@@ -1,0 +1,457 @@
+"""``qkrope bench --e2e``: what users run, a Qwen3-family model, stock vs patched.
+
+A model of a few decoder layers (``layers``, default 4) at the real width of a preset, random
+weights (no download), bf16, a ``StaticCache``; per batch, a decode step (one new token per
+sequence after a prompt) and a prefill of ``prefill_len`` tokens, in four modes: eager,
+``torch.compile`` (default mode), ``torch.compile(mode="reduce-overhead")`` (CUDA graphs), and
+``model.generate(..., cache_implementation="static")``, which compiles the decode step itself.
+Each figure is wall time per step with the device synchronised, so host time counts.
+
+Correctness: random weights give near-ties, so greedy tokens alone prove nothing. Every variant
+is fed the same fixed token stream (teacher forcing) and its last logits are compared with the
+stock eager model's: the patched model must deviate no more than the stock model compiled the
+same way does (within twice that plus one bf16 ulp; eager: bit for bit). For ``generate`` the
+first compiled step's logits are compared the same way.
+
+Also the op's host time inside a compiled graph beside its eager fast path's and a trivial
+op's, measured in the same process (``op_host_times``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+__all__ = ["PRESETS", "MODES", "PHASES", "E2EReport", "run_e2e", "render_e2e_markdown",
+           "write_e2e_json", "write_e2e_plot", "op_host_times"]
+
+VOCAB = 32000  # every preset: the lm_head is a constant of both models, kept small
+#: Attention and MLP widths of the presets (their linear-attention layers are left out: the
+#: patch does not touch them).
+PRESETS = {
+    "qwen3-8b": ("qwen3", dict(hidden_size=4096, intermediate_size=12288,
+                               num_attention_heads=32, num_key_value_heads=8, head_dim=128)),
+    "qwen3-32b": ("qwen3", dict(hidden_size=5120, intermediate_size=25600,
+                                num_attention_heads=64, num_key_value_heads=8, head_dim=128)),
+    "qwen3.5-27b": ("qwen3.5", dict(hidden_size=5120, intermediate_size=17408,
+                                    num_attention_heads=24, num_key_value_heads=4,
+                                    head_dim=256)),
+}
+TINY = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=64)
+MODES = ("eager", "compile", "reduce-overhead", "generate")
+PHASES = ("decode", "prefill")
+PROMPT = 32          # tokens before the timed decode steps
+GENERATE_TOKENS = (4, 20)  # generate() lengths whose time difference gives the per-token time
+
+
+@dataclasses.dataclass
+class Cell:
+    preset: str
+    batch: int
+    phase: str
+    mode: str
+    stock_ms: float | None = None
+    patched_ms: float | None = None
+    stock_dev: float | None = None     # max |logit - stock eager logit| of the stock model
+    patched_dev: float | None = None   # ... of the patched model
+    allowed_dev: float | None = None   # what the patched model may deviate
+    graphs: int | None = None          # compiled graphs of the patched model (None: eager)
+    graph_breaks: int | None = None
+    recompiles_after_warmup: int | None = None
+    error: str | None = None
+
+    @property
+    def speedup(self) -> float | None:
+        if self.stock_ms and self.patched_ms:
+            return self.stock_ms / self.patched_ms
+        return None
+
+    @property
+    def correct(self) -> bool | None:
+        if self.patched_dev is None or self.allowed_dev is None:
+            return None
+        return self.patched_dev <= self.allowed_dev
+
+
+@dataclasses.dataclass
+class E2EReport:
+    environment: dict
+    layers: int
+    timed: bool
+    cells: list[Cell] = dataclasses.field(default_factory=list)
+    op_host_us: dict = dataclasses.field(default_factory=dict)
+
+
+def build_model(preset: str, layers: int, device: str, seed: int = 0, tiny: bool = False):
+    """A random ``layers``-layer model of ``preset``'s family and width (bf16, eval)."""
+    import transformers
+
+    family, width = PRESETS[preset]
+    cfg = dict(width if not tiny else TINY, vocab_size=VOCAB if not tiny else 256,
+               num_hidden_layers=layers, max_position_embeddings=40960, rms_norm_eps=1e-6)
+    torch.manual_seed(seed)
+    if family == "qwen3":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**cfg))
+    else:
+        half = (cfg["head_dim"] // 4) // 2   # partial_rotary_factor 0.25: rotary frequencies
+        section = [half - 2 * (half // 3), half // 3, half // 3]
+        cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e7,
+                                  "partial_rotary_factor": 0.25, "mrope_section": section,
+                                  "mrope_interleaved": True}
+        model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(
+            **cfg, layer_types=["full_attention"] * layers))
+    model = model.to(device, torch.bfloat16).eval()
+    with torch.no_grad():  # random q/k norm weights: all ones would hide a kernel ignoring them
+        for name, p in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.copy_((0.0 if family == "qwen3.5" else 1.0) + 0.5 * torch.randn_like(p))
+    return model
+
+
+def cache_keyword(model) -> str:
+    """Where the installed transformers' model takes its cache: ``cache`` from 5.24, before
+    that ``past_key_values``."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(type(model).forward).parameters \
+        else "past_key_values"
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _counters() -> tuple[int, int]:
+    from torch._dynamo.utils import counters
+
+    return (int(counters["stats"]["unique_graphs"]),
+            int(sum(counters["graph_break"].values())))
+
+
+def _forward(model, mode: str, device: str) -> Callable:
+    if mode == "eager":
+        return model.forward
+    # Off a GPU only the tracing can be checked: compile with dynamo's own (eager) backend.
+    backend = "inductor" if device == "cuda" else "eager"
+    return torch.compile(model.forward, backend=backend,
+                         mode="reduce-overhead" if mode == "reduce-overhead" and
+                         device == "cuda" else None)
+
+
+def _decode(model, forward, stream, steps: int, warmup: int, device: str, cudagraphs: bool):
+    """Median ms of a decode step and the last step's logits, on the fixed token ``stream``
+    [B, PROMPT + warmup + steps]; also the compiled graphs (unique, breaks) after warm-up."""
+    from transformers import StaticCache
+
+    B = stream.shape[0]
+    cache = StaticCache(config=model.config, max_cache_len=PROMPT + warmup + steps + 1)
+    kw = {cache_keyword(model): cache, "use_cache": True, "logits_to_keep": 1}
+    times, counts = [], None
+    with torch.no_grad():
+        model(stream[:, :PROMPT], **kw)
+        for i in range(warmup + steps):
+            if i == warmup:
+                counts = _counters()
+            tok = stream[:, PROMPT + i:PROMPT + i + 1]
+            _sync(device)
+            t0 = time.perf_counter()
+            if cudagraphs:
+                torch.compiler.cudagraph_mark_step_begin()
+            pos = torch.full((B, 1), PROMPT + i, device=stream.device)
+            logits = forward(tok, position_ids=pos, **kw).logits
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+        logits = logits[:, -1].float().clone()
+    return statistics.median(times[warmup:]) * 1e3, logits, (*counts, _counters()[0])
+
+
+def _prefill(model, forward, stream, reps: int, warmup: int, device: str, cudagraphs: bool):
+    """Median ms of a prefill of the whole ``stream`` into one reused (reset) StaticCache."""
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=stream.shape[1] + 1)
+    kw = {cache_keyword(model): cache, "use_cache": True, "logits_to_keep": 1}
+    times, counts = [], None
+    with torch.no_grad():
+        model(stream, **kw)  # allocates the cache outside the compiled forward
+        for i in range(warmup + reps):
+            if i == warmup:
+                counts = _counters()
+            cache.reset()
+            _sync(device)
+            t0 = time.perf_counter()
+            if cudagraphs:
+                torch.compiler.cudagraph_mark_step_begin()
+            logits = forward(stream, **kw).logits
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+        logits = logits[:, -1].float().clone()
+    return statistics.median(times[warmup:]) * 1e3, logits, (*counts, _counters()[0])
+
+
+def _generate(model, prompt, device: str, compiled: bool):
+    """ms per new token of generate() (the difference of two lengths, so the prefill and the
+    compile drop out) and the logits of its first two steps (prompt, first decode step)."""
+    def run(n):
+        _sync(device)
+        t0 = time.perf_counter()
+        out = model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             cache_implementation="static", disable_compile=not compiled,
+                             output_logits=True, return_dict_in_generate=True,
+                             pad_token_id=0)
+        _sync(device)
+        return time.perf_counter() - t0, out
+
+    with torch.no_grad():
+        run(GENERATE_TOKENS[0])  # compiles
+        t = {n: min(run(n)[0] for _ in range(2)) for n in GENERATE_TOKENS}
+        _, out = run(2)
+    per_token = (t[GENERATE_TOKENS[1]] - t[GENERATE_TOKENS[0]]) / (
+        GENERATE_TOKENS[1] - GENERATE_TOKENS[0])
+    return per_token * 1e3, out.logits[1].float().clone(), out.sequences[:, -2]
+
+
+def _ulp(x: torch.Tensor) -> float:
+    return float(2.0 ** (torch.floor(torch.log2(x.abs().max().clamp_min(1e-30))) - 7))
+
+
+def _measure(model, patch_fns, cell: Cell, stream, steps, warmup, device,
+             references: dict) -> None:
+    """Fill ``cell``: stock and patched, in its mode, against the stock eager model (run once
+    per preset, batch and phase: ``references``)."""
+    patch, unpatch = patch_fns
+    compiled = cell.mode != "eager"
+    cudagraphs = cell.mode == "reduce-overhead" and device == "cuda"
+    ref_key = (cell.preset, cell.batch, cell.phase == "decode" and cell.mode == "generate",
+               cell.phase)
+    results = {"reference": references[ref_key]} if ref_key in references else {}
+    for variant in ("reference", "stock", "patched"):
+        if variant in results:
+            continue
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        if variant == "patched":
+            patch(model)
+        try:
+            mode = "eager" if variant == "reference" else cell.mode
+            if cell.mode == "generate":
+                results[variant] = _generate(model, stream[:, :PROMPT], device,
+                                             compiled=variant != "reference" and device == "cuda")
+            else:
+                fwd = _forward(model, mode, device)
+                graphs = cudagraphs and variant != "reference"
+                if cell.phase == "decode":
+                    results[variant] = _decode(model, fwd, stream, steps, warmup, device, graphs)
+                else:
+                    results[variant] = _prefill(model, fwd, stream, max(3, steps // 4),
+                                                min(warmup, 2), device, graphs)
+        finally:
+            if variant == "patched":
+                unpatch(model)
+    torch._dynamo.reset()
+    references[ref_key] = results["reference"]
+    ref = results["reference"][1]
+    cell.stock_ms, cell.patched_ms = results["stock"][0], results["patched"][0]
+    cell.stock_dev = float((results["stock"][1] - ref).abs().max())
+    cell.patched_dev = float((results["patched"][1] - ref).abs().max())
+    # Eager: the patch reproduces the stock eager model bit for bit. Compiled: Inductor rounds
+    # the rest of the model unlike eager, so the bar is the stock compiled model's own drift.
+    cell.allowed_dev = 0.0 if not compiled else 2 * cell.stock_dev + _ulp(ref)
+    if cell.mode == "generate" and not torch.equal(results["stock"][2],
+                                                   results["reference"][2]):
+        cell.allowed_dev = float("inf")  # different first tokens: the steps are not comparable
+    if compiled and cell.mode != "generate":
+        graphs, breaks, graphs_at_end = results["patched"][2]
+        cell.graphs, cell.graph_breaks = graphs, breaks
+        cell.recompiles_after_warmup = graphs_at_end - graphs
+
+
+def run_e2e(presets: Sequence[str], batches: Sequence[int], modes: Sequence[str],
+            phases: Sequence[str], layers: int = 4, steps: int = 20, warmup: int = 5,
+            prefill_len: int = 512, seed: int = 0, progress=None,
+            on_update: Callable[[E2EReport], None] | None = None) -> E2EReport:
+    """Every (preset, batch, phase, mode) cell, stock vs patched. Without a CUDA GPU: a tiny
+    model through Triton's interpreter, correctness and graph counts only (no timing)."""
+    from ..integrations.transformers import patch, unpatch
+    from .runner import environment
+
+    timed = torch.cuda.is_available()
+    device = "cuda" if timed else "cpu"
+    report = E2EReport(environment=_environment(environment()), layers=layers, timed=timed)
+    cells = [Cell(p, b, ph, m) for p in presets for b in batches for ph in phases for m in modes
+             if not (ph == "prefill" and m == "generate")]  # generate() times its own decode
+    if progress is not None:
+        progress.start(total=len(cells), count=len(cells))
+    models, references = {}, {}
+    for cell in cells:
+        if progress is not None:
+            progress.status(f"{cell.preset} batch {cell.batch} {cell.phase} {cell.mode}")
+        if cell.preset not in models:
+            models.clear()
+            torch.cuda.empty_cache() if timed else None
+            models[cell.preset] = build_model(cell.preset, layers, device, seed, tiny=not timed)
+        model = models[cell.preset]
+        g = torch.Generator(device="cpu").manual_seed(seed + cell.batch)
+        length = prefill_len if cell.phase == "prefill" else PROMPT + warmup + steps
+        stream = torch.randint(0, model.config.vocab_size, (cell.batch, length),
+                               generator=g).to(device)
+        try:
+            _measure(model, (patch, unpatch), cell, stream, steps, warmup, device, references)
+        except Exception as e:  # noqa: BLE001 - one failing cell is reported, not fatal
+            cell.error = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        if not timed:
+            cell.stock_ms = cell.patched_ms = None
+        report.cells.append(cell)
+        if on_update is not None:
+            on_update(report)
+        if progress is not None:
+            progress.done(1)
+    if timed:
+        report.op_host_us = op_host_times()
+    return report
+
+
+def _environment(env: dict) -> dict:
+    import transformers
+
+    return {**env, "transformers": transformers.__version__}
+
+
+_TRIVIAL = []
+
+
+def _trivial_op() -> Callable:
+    """A registered op that only adds one to a tensor, defined the way qkrope's ops are: the
+    floor of a registered op's host time inside a compiled graph."""
+    if not _TRIVIAL:
+        from ..ops._custom_op import custom_op
+
+        def host_floor(x: torch.Tensor) -> None:
+            x.add_(1)
+
+        _TRIVIAL.append(custom_op("host_floor", host_floor, mutates_args=("x",)))
+    return _TRIVIAL[0]
+
+
+def op_host_times(calls: int = 2000) -> dict:
+    """Host µs per call, back to back (the best of 5 batches of ``calls / 5``), of: the op's
+    eager fast path; the op inside a compiled graph (``torch.compile(fullgraph=True)`` of a
+    function that only calls it); a trivial registered op inside a compiled graph (the
+    dispatcher's floor); ``x.add_(1)`` eager. Decode #1 shapes, outputs given."""
+    from .. import run
+    from ..suite import SUITE, make_inputs
+
+    a = make_inputs(SUITE[0], device="cuda", cache_capacity=64)
+    q_out, k_out = torch.empty_like(a[0]), torch.empty_like(a[1])
+    x = torch.zeros(1, device="cuda")
+    trivial = _trivial_op()
+
+    def op():
+        return run(*a, query_out=q_out, key_out=k_out)
+
+    fns = {"eager fast path": op, "compiled graph": torch.compile(op, fullgraph=True),
+           "trivial op, compiled graph": torch.compile(lambda: trivial(x), fullgraph=True),
+           "x.add_(1) eager": lambda: x.add_(1)}
+    out = {}
+    with torch.no_grad():
+        for name, fn in fns.items():
+            for _ in range(50):
+                fn()
+            torch.cuda.synchronize()
+            best = float("inf")
+            for _ in range(5):
+                t0 = time.perf_counter()
+                for _ in range(calls // 5):
+                    fn()
+                best = min(best, (time.perf_counter() - t0) / (calls // 5))
+                torch.cuda.synchronize()
+            out[name] = best * 1e6
+    torch._dynamo.reset()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+# ---------------------------------------------------------------------------------------------
+def _f(x, fmt="{:.3f}"):
+    return "—" if x is None else fmt.format(x)
+
+
+def render_e2e_markdown(report: E2EReport) -> str:
+    env = report.environment
+    lines = [f"End to end: {report.layers} decoder layers at each preset's width, random "
+             f"weights, vocab {VOCAB if report.timed else 256}, bf16, StaticCache; decode "
+             f"step after {PROMPT} tokens, prefill of the given length. "
+             + ", ".join(f"{k} {env[k]}" for k in ("gpu", "torch", "triton", "transformers",
+                                                    "commit") if env.get(k)), ""]
+    if not report.timed:
+        lines += ["No CUDA device: a tiny model through Triton's interpreter, compiled with "
+                  "dynamo's eager backend; correctness and graph counts only. Timing needs a "
+                  "CUDA GPU.", ""]
+    lines += ["| preset | batch | phase | mode | stock ms | patched ms | speed-up | "
+              "max Δlogit stock / patched (allowed) | correct | graphs / breaks / recompiles |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for c in report.cells:
+        if c.error:
+            verdict = f"error: {c.error}"
+        else:
+            verdict = {True: "pass", False: "FAIL", None: "—"}[c.correct]
+        graphs = "—" if c.graphs is None else \
+            f"{c.graphs} / {c.graph_breaks} / {c.recompiles_after_warmup}"
+        lines.append(f"| {c.preset} | {c.batch} | {c.phase} | {c.mode} | {_f(c.stock_ms)} | "
+                     f"{_f(c.patched_ms)} | {_f(c.speedup, '{:.2f}×')} | {_f(c.stock_dev, '{:.3g}')}"
+                     f" / {_f(c.patched_dev, '{:.3g}')} ({_f(c.allowed_dev, '{:.3g}')}) | "
+                     f"{verdict} | {graphs} |")
+    if report.op_host_us:
+        h = report.op_host_us
+        lines += ["", "Host µs per call of the op (decode #1, outputs given), same process: "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in h.items())]
+    return "\n".join(lines)
+
+
+def write_e2e_json(report: E2EReport, path: str | os.PathLike) -> None:
+    data = {"environment": report.environment, "layers": report.layers, "timed": report.timed,
+            "op_host_us": report.op_host_us,
+            "cells": [{**dataclasses.asdict(c), "speedup": c.speedup, "correct": c.correct}
+                      for c in report.cells]}
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1, default=str)
+    os.replace(tmp, path)
+
+
+def write_e2e_plot(report: E2EReport, path: str) -> None:
+    """Speed-up (stock ÷ patched time) per cell, one panel per preset and phase."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(c.preset, c.phase) for c in report.cells})
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
+    for ax, (preset, phase) in zip(axes[0], panels):
+        cells = [c for c in report.cells if (c.preset, c.phase) == (preset, phase)]
+        modes = [m for m in MODES if any(c.mode == m for c in cells)]
+        batches = sorted({c.batch for c in cells})
+        width = 0.8 / max(1, len(modes))
+        for k, m in enumerate(modes):
+            ys = [next((c.speedup or 0 for c in cells if c.mode == m and c.batch == b), 0)
+                  for b in batches]
+            ax.bar([i + k * width for i in range(len(batches))], ys, width, label=m)
+        ax.axhline(1.0, color="black", lw=0.8)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(batches))],
+                      [f"B={b}" for b in batches])
+        ax.set_title(f"{preset} {phase}")
+        ax.set_ylabel("stock ÷ patched time")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
