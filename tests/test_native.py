@@ -53,7 +53,8 @@ def variants():
         "expanded (stride 0)": base[:1].expand(4, 6, 8),
         "other shape": torch.randn(4, 6, 16, dtype=torch.bfloat16)[:, :, :8].contiguous(),
         "3 x 1-D": torch.randn(192, dtype=torch.bfloat16),
-        "parameter": torch.nn.Parameter(torch.randn(4, 6, 8, dtype=torch.bfloat16)),
+        "parameter": torch.nn.Parameter(torch.randn(4, 6, 8, dtype=torch.bfloat16),
+                                        requires_grad=False),
         "int64": torch.arange(192).view(4, 6, 8),
         "none": None,
     }
@@ -82,6 +83,11 @@ def test_native_signature_rejects_what_the_checked_path_must_see(native):
     assert native(torch.ones(3).to_sparse()) is None  # no strides
     key, addrs = native(t, None)
     assert isinstance(key, bytes) and addrs == [t.data_ptr(), None]
+    # What autograd would record: the checked path refuses it by name (the ops have no backward).
+    w = torch.nn.Parameter(torch.ones(3))
+    assert native(t, w) is None
+    with torch.no_grad():
+        assert native(t, w) is not None
 
 
 @pytest.mark.parametrize("given", ["none", "query_out", "both"])

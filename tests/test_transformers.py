@@ -483,20 +483,56 @@ def _decode(model, ids, cache, steps):
     return nxt
 
 
+_OVERFLOW = """
+import sys, torch, transformers
+from transformers import StaticCache
+from qkrope.integrations.transformers import patch
+torch.manual_seed(0)
+cfg = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+           num_attention_heads=2, num_key_value_heads=1, head_dim=64, rms_norm_eps=1e-6)
+model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**cfg)).cuda().bfloat16().eval()
+if sys.argv[1] == "patched":
+    assert patch(model) == 2
+kw = {"cache" if "cache" in __import__("inspect").signature(type(model).forward).parameters
+      else "past_key_values": StaticCache(config=model.config, max_cache_len=8)}
+ids = torch.randint(0, 100, (1, 6), device="cuda")
+with torch.no_grad():
+    nxt = model(ids, **kw, use_cache=True).logits[:, -1:].argmax(-1)
+    for i in range(4):
+        pos = torch.full_like(nxt, 6 + i)
+        nxt = model(nxt, **kw, position_ids=pos, use_cache=True).logits[:, -1:].argmax(-1)
+    torch.cuda.synchronize()
+print("no error")
+"""
+
+
 def test_static_cache_overflow_raises_like_stock():
     # Decoding past max_cache_len: the stock model's index_copy_ raises (IndexError on CPU, a
     # device-side assert on a GPU); the op would skip the rows that do not fit (its padding
     # rule) and go on with wrong tokens, so the patched layer must raise too.
     model = _tiny_qwen3(seed=11)
     ids = _prompt(1)["input_ids"]                       # 6 tokens
+    patch(model)
+    _decode(model, ids, StaticCache(config=model.config, max_cache_len=8), steps=2)  # fits
+    with pytest.raises(IndexError, match="6 new tokens do not fit.*max_cache_len=4"):
+        _decode(model, ids, StaticCache(config=model.config, max_cache_len=4), steps=0)
+    if DEVICE == "cuda":
+        # A device-side assert ends the process's CUDA context: each model in a process of
+        # its own.
+        import subprocess
+        import sys
+
+        for variant in ("stock", "patched"):
+            run = subprocess.run([sys.executable, "-c", _OVERFLOW, variant], capture_output=True,
+                                 text=True, timeout=300)
+            assert run.returncode != 0 and "device-side assert" in run.stderr, (variant, run)
+        return
+    unpatch(model)
     with pytest.raises(IndexError):
         _decode(model, ids, StaticCache(config=model.config, max_cache_len=8), steps=4)
     patch(model)
-    _decode(model, ids, StaticCache(config=model.config, max_cache_len=8), steps=2)  # fits
     with pytest.raises(RuntimeError, match="StaticCache overflow.*max_cache_len=8"):
         _decode(model, ids, StaticCache(config=model.config, max_cache_len=8), steps=4)
-    with pytest.raises(IndexError, match="6 new tokens do not fit.*max_cache_len=4"):
-        _decode(model, ids, StaticCache(config=model.config, max_cache_len=4), steps=0)
 
 
 def test_input_gradients_of_a_frozen_model_equal_stock():

@@ -27,7 +27,7 @@ from .launcher import (
     ACTIVATION_DTYPES, LAUNCHER, Options, _dtype_name, _scalar_on, _tensor, check_bhsd,
     check_paged, scale_tensor,
 )
-from .registration import qknorm_rope
+from .registration import options_key, qknorm_rope
 
 __all__ = ["fused_rope_with_qk_norm_and_kv_cache_update", "fused_qk_norm_rope_paged",
            "fused_qkv_norm_rope_paged", "split_packed_qkv"]
@@ -221,11 +221,8 @@ def _checked_call(checked: Options, tensors: tuple, k_scale, v_scale, query_out,
         _validate(tensors[6], rows_bound, rows_name, k_sc, v_sc)
     query_out, key_out = _outputs(query, key, query_out, key_out)
     _refuse_autograd(checked.layout, (*tensors, query_out, key_out))
-    qknorm_rope(
-        *tensors, k_sc, v_sc, query_out, key_out, float(rms_norm_eps), checked.layout,
-        checked.rotary_style, checked.rotary_dim, checked.norm_weight_offset,
-        checked.norm_rounding, checked.cos_sin_scale, None if checked.mrope_section is None
-        else list(checked.mrope_section), checked.mrope_interleaved)
+    qknorm_rope(*tensors, k_sc, v_sc, query_out, key_out, float(rms_norm_eps),
+                options_key(checked))
     return query_out, key_out
 
 

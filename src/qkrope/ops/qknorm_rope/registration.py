@@ -10,12 +10,15 @@ function -> checks -> this op -> the launch.
 
 from __future__ import annotations
 
+import ast
+import functools
+
 import torch
 
 from .._custom_op import custom_op
 from .launcher import LAUNCHER, Options, launch
 
-__all__ = ["qknorm_rope"]
+__all__ = ["qknorm_rope", "options_key"]
 
 
 def _qknorm_rope(
@@ -34,20 +37,12 @@ def _qknorm_rope(
     query_out: torch.Tensor,
     key_out: torch.Tensor,
     rms_norm_eps: float,
-    layout: str,
-    rotary_style: str,
-    rotary_dim: int,
-    norm_weight_offset: float,
-    norm_rounding: str,
-    cos_sin_scale: float,
-    mrope_section: list[int] | None,
-    mrope_interleaved: bool,
+    options: str,
 ) -> None:
-    """Checked arguments of either entry point, options in canonical form; writes
-    ``query_out``, ``key_out`` and the cache rows, and bumps their version counters."""
-    opts = Options(layout, rotary_style, rotary_dim, norm_weight_offset, norm_rounding,
-                   cos_sin_scale, None if mrope_section is None else tuple(mrope_section),
-                   mrope_interleaved)
+    """Checked arguments of either entry point, the canonical options as one string
+    (:func:`options_key`); writes ``query_out``, ``key_out`` and the cache rows, and bumps
+    their version counters."""
+    opts = _options(options)
     inputs = (query, key, value, positions, key_cache, value_cache, slots, q_norm_weight,
               k_norm_weight, inv_freq, k_scale, v_scale)
     if LAUNCHER.fast_call(opts, inputs, query, key, query_out, key_out, rms_norm_eps) is None:
@@ -56,6 +51,18 @@ def _qknorm_rope(
         LAUNCHER.remember(None if signature is None else signature[0], *result,
                           query.get_device())
         torch._C._increment_version((key_cache, value_cache, query_out, key_out))
+
+
+def options_key(opts: Options) -> str:
+    """Canonical options as the registered op's one ``options`` argument: every call through
+    the dispatcher boxes each argument, so the eight static options travel as one string
+    (docs/design.md, "The compile route")."""
+    return repr(tuple(opts))
+
+
+@functools.lru_cache(maxsize=256)
+def _options(key: str) -> Options:
+    return Options(*ast.literal_eval(key))
 
 
 qknorm_rope = custom_op("qknorm_rope", _qknorm_rope,
