@@ -409,6 +409,10 @@ def _prologue(self, plan: _Plan, query, key, value, cache):
                    mrope_section=plan.mrope_section, mrope_interleaved=True)
     if plan.mrope_section is None:
         del options["mrope_section"], options["mrope_interleaved"]
+    # The stock norm and rotary keep their input's memory layout ([B, S, H, D] order, the
+    # projection's); the attention kernel that runs next may pick another algorithm (other
+    # bits) for another layout, so the outputs get that layout too.
+    options.update(query_out=torch.empty_like(query), key_out=torch.empty_like(key))
 
     layer = None
     layers = getattr(cache, "layers", None)
