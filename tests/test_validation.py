@@ -113,3 +113,25 @@ def test_batch_beyond_the_launch_grid_is_refused():
     args = args_with()
     with pytest.raises(ValueError, match="batch must be <= 65535"):
         call([q, *args[1:]])
+
+
+def test_validate_keeps_int32_rows_of_a_cache_beyond_2_31_rows():
+    # int32 rows were compared with the bound as int32: 2**31 + 16 wrapped negative and every
+    # valid row was refused ("holds 0, outside the cache [0, 2147483664)"). A cache that big
+    # does not fit here: an expanded view passes the checks up to the launch, which refuses it
+    # (overlapping elements) only after validate has judged the rows.
+    L = 2**31 + 16
+
+    def big(x):
+        return x[:, :, :1].expand(x.shape[0], x.shape[1], L, x.shape[3])
+
+    def rows(*r):
+        return torch.tensor(r, dtype=torch.int32, device=DEVICE)
+
+    args = args_with(key_cache=big, value_cache=big, cache_position=rows(0, 1, 5, 3, 2**31 - 1))
+    with pytest.raises(ValueError, match="key_cache has elements that overlap"):
+        call(args, validate=True)
+    args = args_with(key_cache=big, value_cache=big, cache_position=rows(0, 1, -1, 3, 4))
+    with pytest.raises(ValueError, match=r"cache_position holds -1, outside the cache "
+                                         r"\[0, 2147483664\)"):
+        call(args, validate=True)

@@ -28,6 +28,7 @@ from .launcher import (
     check_paged, scale_tensor,
 )
 from .registration import qknorm_rope
+from .validation import check_rows, check_scale, validated_rows, validated_scale
 
 __all__ = ["fused_rope_with_qk_norm_and_kv_cache_update", "fused_qk_norm_rope_paged",
            "fused_qkv_norm_rope_paged", "split_packed_qkv"]
@@ -224,7 +225,8 @@ def _checked_call(opts: Options, checked: Options, tensors: tuple, k_scale, v_sc
     k_sc = scale_tensor("k_scale", k_scale, key_cache, Hkv)
     v_sc = scale_tensor("v_scale", v_scale, value_cache, Hkv)
     if validate:
-        _validate(tensors[6], rows_bound, rows_name, k_sc, v_sc)
+        rows, k_sc, v_sc = _validate(tensors[6], rows_bound, rows_name, k_sc, v_sc)
+        tensors = (*tensors[:6], rows, *tensors[7:])
     inputs = (*tensors, k_sc, v_sc)
     signature = (None if torch.compiler.is_compiling()
                  else LAUNCHER.signature(tuple(opts), (*inputs, query_out, key_out)))
@@ -257,19 +259,19 @@ def _fast_scales(k_scale, v_scale, query):
     return out
 
 
-def _validate(rows: torch.Tensor, bound: int, name: str, *scales) -> None:
-    """``validate=True``: rows/slots inside the cache, FP8 scale values finite and > 0."""
-    checks = [(name, rows, (rows >= 0) & (rows < bound),
-               f"outside the cache [0, {bound}) (validate=True raises instead of skipping)")]
-    for scale_name, s in zip(("k_scale", "v_scale"), scales):
+def _validate(rows: torch.Tensor, bound: int, name: str, k_scale, v_scale) -> tuple:
+    """``validate=True``: rows/slots inside the cache, FP8 scale values finite and > 0
+    (``ValueError`` naming the argument). Returns ``(rows, k_scale, v_scale)`` for the launch:
+    under torch.compile checked copies, so the checks run in the graph, before the kernel."""
+    if torch.compiler.is_compiling():
+        return (validated_rows(rows, bound, name),
+                *(None if s is None else validated_scale(s, n)
+                  for n, s in (("k_scale", k_scale), ("v_scale", v_scale))))
+    check_rows(rows, bound, name)
+    for n, s in (("k_scale", k_scale), ("v_scale", v_scale)):
         if s is not None:
-            checks.append((scale_name, s, torch.isfinite(s) & (s > 0), "not finite and > 0"))
-    for arg, values, ok, what in checks:
-        if torch.compiler.is_compiling():
-            torch._check(bool(ok.all()), lambda arg=arg, what=what: f"{arg}: a value {what}")
-        elif not bool(ok.all()):  # host sync: only on request
-            raise ValueError(f"{arg} holds {values.reshape(-1)[~ok.reshape(-1)][0].item()}, "
-                             f"{what}")
+            check_scale(s, n)
+    return rows, k_scale, v_scale
 
 
 def _check_out(name: str, out, like: torch.Tensor) -> None:
