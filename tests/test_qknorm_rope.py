@@ -246,6 +246,23 @@ def bad(**changes):
     (dict(norm_weight_offset=1.0, norm_rounding="hf"), ValueError, ["norm_weight_offset"]),
     (dict(query=lambda x: x[..., :48], key=lambda x: x[..., :48], value=lambda x: x[..., :48]),
      ValueError, ["head_dim", "512"]),
+    # Scalars the kernel uses in float32: finite in float64 is not enough (1e39 is inf there:
+    # all-NaN outputs; 1e-46 is 0: all-zero outputs), nor is a float32 subnormal.
+    (dict(cos_sin_scale=1e39), ValueError, ["cos_sin_scale", "float32", "inf"]),
+    (dict(cos_sin_scale=1e-46), ValueError, ["cos_sin_scale", "float32", "is 0"]),
+    (dict(cos_sin_scale=1e-40), ValueError, ["cos_sin_scale", "subnormal"]),
+    (dict(norm_weight_offset=1e39), ValueError, ["norm_weight_offset", "float32"]),
+    (dict(norm_weight_offset=-1e-40), ValueError, ["norm_weight_offset", "subnormal"]),
+    (dict(rms_norm_eps=1e39), ValueError, ["rms_norm_eps", "float32"]),
+    (dict(rms_norm_eps=1e-40), ValueError, ["rms_norm_eps", "subnormal"]),
+    (dict(key_cache=lambda x: x.to(torch.float8_e4m3fn),
+          value_cache=lambda x: x.to(torch.float8_e4m3fn), k_scale=1e39, v_scale=0.5),
+     ValueError, ["k_scale", "float32", "inf"]),
+    (dict(key_cache=lambda x: x.to(torch.float8_e4m3fn),
+          value_cache=lambda x: x.to(torch.float8_e4m3fn), k_scale=0.5, v_scale=1e-46),
+     ValueError, ["v_scale", "float32", "is 0"]),
+    # mrope_interleaved alone would silently run plain RoPE.
+    (dict(mrope_interleaved=True), ValueError, ["mrope_interleaved=True needs mrope_section"]),
 ])
 def test_bad_arguments_are_named(change, exc, words):
     args, kwargs = bad(**change)
@@ -253,6 +270,30 @@ def test_bad_arguments_are_named(change, exc, words):
         qkrope.fused_qk_norm_rope_paged(*args, **kwargs)
     for w in words:
         assert w in str(info.value), f"{w!r} not in {info.value}"
+
+
+def test_numpy_bool_option_is_named_with_its_type():
+    np = pytest.importorskip("numpy")
+    args, kwargs = bad(mrope_interleaved=np.bool_(True))
+    with pytest.raises(TypeError, match=r"mrope_interleaved must be a Python bool \(True or "
+                                        r"False\), got np.True_ of type numpy.bool"):
+        qkrope.fused_qk_norm_rope_paged(*args, **kwargs)
+
+
+def test_packed_entry_point_names_an_empty_q_norm_weight():
+    # It has no head_dim argument: D comes from q_norm_weight, so the error names that.
+    c = PCase(packed=True)
+    args, kwargs = make(c)
+    qkv = args[0].view(c.T, -1)._base
+    empty = args[7][:0]
+    with pytest.raises(ValueError) as info:
+        qkrope.fused_qkv_norm_rope_paged(qkv, c.Hq, c.Hkv, *args[3:7], empty, *args[8:],
+                                         **kwargs)
+    assert str(info.value).startswith("q_norm_weight must have shape [D] with D >= 1")
+    assert "head_dim must" not in str(info.value)
+    with pytest.raises(ValueError, match=r"the length of q_norm_weight\), got \[11, 512\]"):
+        qkrope.fused_qkv_norm_rope_paged(qkv, c.Hq, c.Hkv, *args[3:7], args[7][:32],
+                                         *args[8:], **kwargs)
 
 
 def test_fp8_cache_requires_scale():

@@ -54,6 +54,41 @@ def test_bad_argument_is_named(change, exc, words):
         assert w in str(info.value), f"{w!r} not in error message: {info.value}"
 
 
+@pytest.mark.parametrize("options, exc, words", [
+    # The kernel computes with these in float32: 1e39 is inf there (all-NaN outputs), 1e-46 is
+    # 0 (all-zero outputs); both are finite and > 0 in float64.
+    (dict(cos_sin_scale=1e39), ValueError, ["cos_sin_scale", "float32's range", "got 1e+39"]),
+    (dict(cos_sin_scale=1e-46), ValueError, ["cos_sin_scale", "smallest normal", "is 0"]),
+    (dict(norm_weight_offset=1e39), ValueError, ["norm_weight_offset", "float32's range"]),
+    (dict(norm_weight_offset=-1e39), ValueError, ["norm_weight_offset", "-inf"]),
+    (dict(mrope_interleaved=True), ValueError, ["mrope_interleaved=True needs mrope_section"]),
+    (dict(mrope_interleaved=1), TypeError, ["mrope_interleaved", "got 1 of type int"]),
+])
+def test_bad_option_is_named(options, exc, words):
+    with pytest.raises(exc) as info:
+        call(args_with(), **options)
+    for w in words:
+        assert w in str(info.value), f"{w!r} not in error message: {info.value}"
+
+
+@pytest.mark.parametrize("eps", [1e39, 1e-40])
+def test_rms_norm_eps_must_be_a_float32_value(eps):
+    with pytest.raises(ValueError, match="rms_norm_eps must be"):
+        call(args_with(rms_norm_eps=eps))
+
+
+def test_float32_edges_are_accepted():
+    # Far from 1 but float32-normal, and so are the outputs: run, and match the oracle. (The
+    # smallest normal scales give subnormal outputs, which Triton's interpreter, unlike the GPU,
+    # converts to bf16 wrongly.)
+    for kw in (dict(cos_sin_scale=2.0**-100), dict(norm_weight_offset=-1e30)):
+        args = args_with()
+        out = call(args, **kw, inplace=False)
+        ref = qkrope.reference(*args, **kw)
+        for o, r in zip(out, ref):
+            assert o.isfinite().all() and (o == r).float().mean() > 0.99, kw
+
+
 def test_wrong_device_is_named():
     other = "meta"
     with pytest.raises(ValueError, match="inv_freq is on meta.*one device"):
