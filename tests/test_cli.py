@@ -372,3 +372,70 @@ def test_bench_waits_for_the_native_helpers_at_most_the_bound(monkeypatch):
     with pytest.raises(Stop):
         runner.run_benchmark([Workload(1, 0, 1)], impls=["eager"], native_wait_s=0)
     assert waits == []
+
+
+# ----------------------------------------------------------------------------------------------
+# bench: paths, seeds and sizes it cannot use
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("opt", ["--json", "--plot"])
+def test_output_path_that_is_a_folder_fails_before_any_work(capsys, no_work, tmp_path, opt):
+    if opt == "--plot":
+        pytest.importorskip("matplotlib")
+        if not torch.cuda.is_available():
+            pytest.skip("--plot without a GPU is refused for that first")
+    rc, out, err = run(["bench", opt, str(tmp_path)], capsys)
+    assert rc == 2 and out == ""
+    assert err == f"qkrope bench: error: {opt} {tmp_path}: is a folder; give a file name\n"
+    assert list(tmp_path.parent.glob(tmp_path.name + ".tmp")) == []
+
+
+def test_write_json_leaves_no_stray_tmp_file(tmp_path):
+    report = runner.BenchReport(model="m", geometry={}, timed=False, copy_bandwidth=None,
+                                impls=[], skipped={}, add_host_us=None, workloads=[],
+                                environment={}, settings={})
+    target = tmp_path / "r.json"
+    target.mkdir()  # os.replace onto a folder fails
+    with pytest.raises(OSError):
+        runner.write_json(report, target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]
+
+
+@pytest.mark.parametrize("seed", [str(10**23), str(2**64), str(-2**63 - 1)])
+def test_seed_torch_cannot_take_is_a_usage_error(capsys, no_work, seed):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--seed", seed])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err
+    assert err.splitlines()[-1] == (f"qkrope bench: error: argument --seed: wants an integer "
+                                    f"from -2**63 to 2**64 - 1 (the seeds torch's generator "
+                                    f"takes), got {seed}")
+
+
+@pytest.mark.parametrize("argv, shrink", [
+    (["--cache-len", "100000000000"], "use a smaller --cache-len"),
+    (["--shape", "1,3000000000,1"], "use a smaller C or B in --shape"),
+    (["--cache-len", "100000000000", "--layout", "paged", "--shape", "1,0,2"],
+     "use a smaller --cache-len"),
+])
+def test_cache_too_big_for_this_machine_is_a_usage_error(capsys, no_work, argv, shrink):
+    rc, out, err = run(["bench", "--model", "qwen3-0.6b"] + argv, capsys)
+    assert rc == 2 and out == "" and len(err.splitlines()) == 1, err
+    assert err.startswith("qkrope bench: error: workload ") and "key and value caches of" in err
+    assert "bfloat16 each" in err and err.rstrip().endswith(shrink)
+
+
+@cpu_only
+def test_inputs_that_fail_to_allocate_say_what_and_how_to_shrink(monkeypatch, capsys, tmp_path):
+    # Memory the check before the run did not see (here: not told): the allocation fails in
+    # the run, and the command says what it tried, in one line, with no traceback.
+    monkeypatch.setattr(runner, "memory_bytes", lambda: None, raising=False)
+    path = tmp_path / "r.json"
+    rc, out, err = run(["bench", "--model", "qwen3-0.6b", "--cache-len", "100000000000",
+                        "--shape", "1,0,1", "--json", str(path)], capsys)
+    last = err.strip().splitlines()[-1]
+    assert rc == 1 and out == "" and "Traceback" not in err
+    assert last.startswith("qkrope bench: error: workload 1,0,1: could not allocate its inputs "
+                           "(about 279.4 TiB: key and value caches of [1, 2, 100000000000, 128]")
+    assert "use a smaller cache length (--cache-len) or workload (--shape S,C,B)" in last
+    assert last.endswith(f"; partial results written to {path}")
+    assert json.loads(path.read_text())["complete"] is False

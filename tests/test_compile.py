@@ -101,3 +101,38 @@ def test_compiled_op_host_time_is_a_small_multiple_of_a_trivial_op():
         pytest.skip(f"native launch route not in use: {route()[1]}")
     h = op_host_times(calls=500)
     assert h["compiled graph, per call"] <= 4 * h["trivial op, compiled graph, per call"], h
+
+
+def test_validate_under_compile_raises_the_eager_error_naming_the_argument():
+    # A data-dependent check traced into the graph became inductor's "u0 >= 1"; the checks run
+    # as ops of the graph instead, with the eager ValueError.
+    args = list(make_inputs(Case(B=1, S=3, L=8, seed=9)))
+    compiled = torch.compile(lambda *a: op(*a, validate=True, inplace=False), fullgraph=True)
+    torch._dynamo.reset()
+    args[6] = torch.tensor([0, 1, 9], device=args[6].device)
+    with pytest.raises(ValueError, match=r"cache_position holds 9, outside the cache \[0, 8\)"):
+        compiled(*args)
+    args[6] = torch.tensor([0, 7, 2], device=args[6].device)  # valid: the same graph runs
+    out, ref = compiled(*args), qkrope.reference(*args)
+    assert torch.equal(out[2], ref[2]) and torch.equal(out[3], ref[3])
+
+
+def test_validate_under_compile_names_a_bad_scale():
+    from test_qknorm_rope import PCase, make
+
+    args, kwargs = make(PCase(T=4, cache_dtype=torch.float8_e4m3fn, per_head_scale=True, seed=2))
+    args = (*args[:6], torch.arange(4, device=args[0].device), *args[7:])  # valid slots
+    kwargs["v_scale"] = torch.tensor([0.02, float("nan")], device=args[0].device)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *a: qkrope.fused_qk_norm_rope_paged(*a, **kwargs,
+                                                                       validate=True),
+                             fullgraph=True)
+    with pytest.raises(ValueError, match="v_scale holds nan, not finite and > 0"):
+        compiled(*args)
+
+
+def test_validation_ops_opcheck():
+    from qkrope.ops.qknorm_rope import validation
+
+    torch.library.opcheck(validation.validated_rows, (torch.tensor([0, 3, 5]), 8, "slot_mapping"))
+    torch.library.opcheck(validation.validated_scale, (torch.tensor([0.5, 2.0]), "k_scale"))

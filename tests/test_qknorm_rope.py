@@ -246,6 +246,23 @@ def bad(**changes):
     (dict(norm_weight_offset=1.0, norm_rounding="hf"), ValueError, ["norm_weight_offset"]),
     (dict(query=lambda x: x[..., :48], key=lambda x: x[..., :48], value=lambda x: x[..., :48]),
      ValueError, ["head_dim", "512"]),
+    # Scalars the kernel uses in float32: finite in float64 is not enough (1e39 is inf there:
+    # all-NaN outputs; 1e-46 is 0: all-zero outputs), nor is a float32 subnormal.
+    (dict(cos_sin_scale=1e39), ValueError, ["cos_sin_scale", "float32", "inf"]),
+    (dict(cos_sin_scale=1e-46), ValueError, ["cos_sin_scale", "float32", "is 0"]),
+    (dict(cos_sin_scale=1e-40), ValueError, ["cos_sin_scale", "subnormal"]),
+    (dict(norm_weight_offset=1e39), ValueError, ["norm_weight_offset", "float32"]),
+    (dict(norm_weight_offset=-1e-40), ValueError, ["norm_weight_offset", "subnormal"]),
+    (dict(rms_norm_eps=1e39), ValueError, ["rms_norm_eps", "float32"]),
+    (dict(rms_norm_eps=1e-40), ValueError, ["rms_norm_eps", "subnormal"]),
+    (dict(key_cache=lambda x: x.to(torch.float8_e4m3fn),
+          value_cache=lambda x: x.to(torch.float8_e4m3fn), k_scale=1e39, v_scale=0.5),
+     ValueError, ["k_scale", "float32", "inf"]),
+    (dict(key_cache=lambda x: x.to(torch.float8_e4m3fn),
+          value_cache=lambda x: x.to(torch.float8_e4m3fn), k_scale=0.5, v_scale=1e-46),
+     ValueError, ["v_scale", "float32", "is 0"]),
+    # mrope_interleaved alone would silently run plain RoPE.
+    (dict(mrope_interleaved=True), ValueError, ["mrope_interleaved=True needs mrope_section"]),
 ])
 def test_bad_arguments_are_named(change, exc, words):
     args, kwargs = bad(**change)
@@ -255,11 +272,77 @@ def test_bad_arguments_are_named(change, exc, words):
         assert w in str(info.value), f"{w!r} not in {info.value}"
 
 
+def test_numpy_bool_option_is_named_with_its_type():
+    np = pytest.importorskip("numpy")
+    args, kwargs = bad(mrope_interleaved=np.bool_(True))
+    with pytest.raises(TypeError, match=r"mrope_interleaved must be a Python bool \(True or "
+                                        r"False\), got np.True_ of type numpy.bool"):
+        qkrope.fused_qk_norm_rope_paged(*args, **kwargs)
+
+
+def test_packed_entry_point_names_an_empty_q_norm_weight():
+    # It has no head_dim argument: D comes from q_norm_weight, so the error names that.
+    c = PCase(packed=True)
+    args, kwargs = make(c)
+    qkv = args[0].view(c.T, -1)._base
+    empty = args[7][:0]
+    with pytest.raises(ValueError) as info:
+        qkrope.fused_qkv_norm_rope_paged(qkv, c.Hq, c.Hkv, *args[3:7], empty, *args[8:],
+                                         **kwargs)
+    assert str(info.value).startswith("q_norm_weight must have shape [D] with D >= 1")
+    assert "head_dim must" not in str(info.value)
+    with pytest.raises(ValueError, match=r"the length of q_norm_weight\), got \[11, 512\]"):
+        qkrope.fused_qkv_norm_rope_paged(qkv, c.Hq, c.Hkv, *args[3:7], args[7][:32],
+                                         *args[8:], **kwargs)
+
+
 def test_fp8_cache_requires_scale():
     args, kwargs = make(PCase(cache_dtype=torch.float8_e4m3fn))
     kwargs.pop("k_scale")
     with pytest.raises(ValueError, match="k_scale is required"):
         qkrope.fused_qk_norm_rope_paged(*args, **kwargs)
+
+
+# bf16 bit patterns of values whose FP8 codes are easy to get wrong: +-0, tiny values that round
+# to +-0 after the scale, NaN of either sign, +-inf, normals, bf16 subnormals.
+_SPECIAL_BF16 = (0x0000, 0x8000, 0xB8D2, 0x38D2, 0x7FC0, 0xFFC0, 0x7F80, 0xFF80, 0x3F80, 0xC040,
+                 0x43FA, 0x8DA2, 0x0001, 0x8001, 0x3C00, 0x3A00)
+
+
+@pytest.mark.parametrize("per_head", [False, True], ids=["per_tensor", "per_head"])
+@pytest.mark.parametrize("scale", [0.0, -0.0, -0.025, float("nan"), -float("nan"), float("inf"),
+                                   1e-40, 0.025],
+                         ids=["zero", "neg_zero", "negative", "nan", "neg_nan", "inf",
+                              "subnormal", "normal"])
+def test_fp8_cache_bytes_match_the_oracle_for_every_scale_value(scale, per_head):
+    # Without validate a scale tensor's values are not checked (that would cost a host sync):
+    # whatever they hold, the cache bytes are the oracle's, bit for bit. V's rows go to the
+    # cache unchanged, so they compare whole; the rotated K rows compare through the kernel's
+    # own key_rotated (a flipped rounding in K would otherwise be a different byte).
+    from qkrope.ops.qknorm_rope.reference import _quantize
+
+    c = PCase(T=5, cache_dtype=torch.float8_e4m3fn, per_head_scale=per_head, seed=11)
+    args, kwargs = make(c)
+    special = torch.tensor(_SPECIAL_BF16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    v = args[2].clone()
+    v.view(-1)[: 4 * special.numel()] = special.repeat(4).to(DEVICE)
+    v[2, 0, :8] = -1e-6  # rounds to -0 at any scale below ~500
+    args = (*args[:2], v, *args[3:])
+    bad = torch.tensor(scale, dtype=torch.float32, device=DEVICE)
+    for name in ("k_scale", "v_scale"):
+        if per_head:  # head 0 keeps a valid scale, head 1 gets the odd one
+            kwargs[name] = torch.stack((kwargs[name][0], bad))
+        else:
+            kwargs[name] = bad.reshape(1)
+    _, _, kc_ref, vc_ref = qkrope.reference_paged(*args, **kwargs)
+    _, k_rot = qkrope.fused_qk_norm_rope_paged(*args, **kwargs)
+    kc, vc, slots = args[4], args[5], args[6].long()
+    assert torch.equal(vc.view(torch.uint8), vc_ref.view(torch.uint8)), "value cache bytes"
+    valid = (slots >= 0) & (slots < c.num_blocks * c.block_size)
+    blk, off = slots[valid] // c.block_size, slots[valid] % c.block_size
+    want = _quantize(k_rot[valid], kc.dtype, kwargs["k_scale"], 1)
+    assert torch.equal(kc[blk, off].view(torch.uint8), want.view(torch.uint8)), "key cache bytes"
+    assert (vc_ref.view(torch.uint8) != 0xFF).all(), "NaN must be stored as 0x7F, not 0xFF"
 
 
 def test_packed_entry_point_matches_views():

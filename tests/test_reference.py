@@ -86,3 +86,47 @@ def test_hf_norm_rounding_matches_transformers_qwen3_rmsnorm():
         expected = norm(x)
     assert torch.equal(rms_norm_ref(x, norm.weight.detach(), 1e-6, "hf"), expected)
     assert not torch.equal(rms_norm_ref(x, norm.weight.detach(), 1e-6), expected)
+
+
+ROWS_BEYOND_INT32 = 2**31 + 16
+
+
+def _sparse_cache(path, shape, dtype):
+    """A cache of ``shape`` backed by a sparse file: gigabytes of address space, only the pages
+    written take memory or disk."""
+    n = 1
+    for s in shape:
+        n *= s
+    return torch.from_file(str(path), shared=True, size=n * dtype.itemsize,
+                           dtype=torch.uint8).view(dtype).view(shape)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["bhsd", "paged"])
+def test_oracles_keep_int32_rows_of_caches_beyond_2_31_rows(tmp_path, paged):
+    # int32 rows against a bound of 2**31 rows or more: compared as int32, the bound wrapped
+    # negative and every valid row was skipped. Caches of 2 dims per row (the oracle's math
+    # does not care), FP8: 4 GiB of address space each, a few pages of it written.
+    D, L, bs = 2, ROWS_BEYOND_INT32, 16
+    shape = (L // bs, bs, 1, D) if paged else (1, 1, L, D)
+    fp8 = torch.float8_e4m3fn
+    kc, vc = (_sparse_cache(tmp_path / n, shape, fp8) for n in ("k", "v"))
+    rows = torch.tensor([5, -1, 2**31 - 1], dtype=torch.int32)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(*s, generator=g).bfloat16() for s in
+               (((3, 2, D), (3, 1, D), (3, 1, D)) if paged else
+                ((1, 2, 3, D), (1, 1, 3, D), (1, 1, 3, D))))
+    w = 1 + 0.5 * torch.randn(D, generator=g).bfloat16()
+    pos = torch.tensor([7, 8, 9]) if paged else torch.tensor([[7, 8, 9]])
+    inv_freq = torch.tensor([1.0])
+    oracle = qkrope.reference_paged if paged else qkrope.reference
+    _, k_rot, *_ = oracle(q, k, v, pos, kc, vc, rows, w, w, inv_freq, 1e-6, k_scale=1.0,
+                          v_scale=1.0, inplace=True)
+    for token, row in ((0, 5), (2, 2**31 - 1)):
+        if paged:
+            got_k, got_v = kc[row // bs, row % bs], vc[row // bs, row % bs]
+            want_k, want_v = k_rot[token], v[token]
+        else:
+            got_k, got_v = kc[:, :, row], vc[:, :, row]
+            want_k, want_v = k_rot[:, :, token], v[:, :, token]
+        assert torch.equal(got_k.float(), want_k.float().clamp(-448, 448).to(fp8).float()), row
+        assert torch.equal(got_v.float(), want_v.float().to(fp8).float()), row

@@ -54,6 +54,41 @@ def test_bad_argument_is_named(change, exc, words):
         assert w in str(info.value), f"{w!r} not in error message: {info.value}"
 
 
+@pytest.mark.parametrize("options, exc, words", [
+    # The kernel computes with these in float32: 1e39 is inf there (all-NaN outputs), 1e-46 is
+    # 0 (all-zero outputs); both are finite and > 0 in float64.
+    (dict(cos_sin_scale=1e39), ValueError, ["cos_sin_scale", "float32's range", "got 1e+39"]),
+    (dict(cos_sin_scale=1e-46), ValueError, ["cos_sin_scale", "smallest normal", "is 0"]),
+    (dict(norm_weight_offset=1e39), ValueError, ["norm_weight_offset", "float32's range"]),
+    (dict(norm_weight_offset=-1e39), ValueError, ["norm_weight_offset", "-inf"]),
+    (dict(mrope_interleaved=True), ValueError, ["mrope_interleaved=True needs mrope_section"]),
+    (dict(mrope_interleaved=1), TypeError, ["mrope_interleaved", "got 1 of type int"]),
+])
+def test_bad_option_is_named(options, exc, words):
+    with pytest.raises(exc) as info:
+        call(args_with(), **options)
+    for w in words:
+        assert w in str(info.value), f"{w!r} not in error message: {info.value}"
+
+
+@pytest.mark.parametrize("eps", [1e39, 1e-40])
+def test_rms_norm_eps_must_be_a_float32_value(eps):
+    with pytest.raises(ValueError, match="rms_norm_eps must be"):
+        call(args_with(rms_norm_eps=eps))
+
+
+def test_float32_edges_are_accepted():
+    # Far from 1 but float32-normal, and so are the outputs: run, and match the oracle. (The
+    # smallest normal scales give subnormal outputs, which Triton's interpreter, unlike the GPU,
+    # converts to bf16 wrongly.)
+    for kw in (dict(cos_sin_scale=2.0**-100), dict(norm_weight_offset=-1e30)):
+        args = args_with()
+        out = call(args, **kw, inplace=False)
+        ref = qkrope.reference(*args, **kw)
+        for o, r in zip(out, ref):
+            assert o.isfinite().all() and (o == r).float().mean() > 0.99, kw
+
+
 def test_wrong_device_is_named():
     other = "meta"
     with pytest.raises(ValueError, match="inv_freq is on meta.*one device"):
@@ -113,3 +148,25 @@ def test_batch_beyond_the_launch_grid_is_refused():
     args = args_with()
     with pytest.raises(ValueError, match="batch must be <= 65535"):
         call([q, *args[1:]])
+
+
+def test_validate_keeps_int32_rows_of_a_cache_beyond_2_31_rows():
+    # int32 rows were compared with the bound as int32: 2**31 + 16 wrapped negative and every
+    # valid row was refused ("holds 0, outside the cache [0, 2147483664)"). A cache that big
+    # does not fit here: an expanded view passes the checks up to the launch, which refuses it
+    # (overlapping elements) only after validate has judged the rows.
+    L = 2**31 + 16
+
+    def big(x):
+        return x[:, :, :1].expand(x.shape[0], x.shape[1], L, x.shape[3])
+
+    def rows(*r):
+        return torch.tensor(r, dtype=torch.int32, device=DEVICE)
+
+    args = args_with(key_cache=big, value_cache=big, cache_position=rows(0, 1, 5, 3, 2**31 - 1))
+    with pytest.raises(ValueError, match="key_cache has elements that overlap"):
+        call(args, validate=True)
+    args = args_with(key_cache=big, value_cache=big, cache_position=rows(0, 1, -1, 3, 4))
+    with pytest.raises(ValueError, match=r"cache_position holds -1, outside the cache "
+                                         r"\[0, 2147483664\)"):
+        call(args, validate=True)

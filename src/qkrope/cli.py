@@ -9,7 +9,7 @@ import os
 import platform
 import sys
 
-from .bench.runner import NATIVE_WAIT_S, sweep_workloads
+from .bench.runner import NATIVE_WAIT_S, InputsTooLarge, sweep_workloads
 from .suite import (
     MODELS, PAGED_SUITE, REDUCED_MAX_BATCH, REDUCED_MAX_SEQ, SUITE, Workload, reduced_geometry,
 )
@@ -65,8 +65,9 @@ heads shrink ({_REDUCED_EXAMPLE}; head_dim kept). This takes seconds; --full che
 
 BENCH_EPILOG = f"""\
 exit status: 0 when every qkrope check passes (a failing peer is only reported), 1 when a
-qkrope output is wrong or its call fails, {EXIT_USAGE} for a request that cannot be honoured
-(checked before any work), {EXIT_INTERRUPTED} when interrupted (Ctrl-C; --json keeps the partial
+qkrope output is wrong or its call fails, or a workload's inputs cannot be allocated,
+{EXIT_USAGE} for a request that cannot be honoured (checked before any work, a cache too big
+for this machine's memory included), {EXIT_INTERRUPTED} when interrupted (Ctrl-C; --json keeps the partial
 results)."""
 
 
@@ -124,6 +125,21 @@ def _choice_list(choices: tuple[str, ...]):
                                              f"{', '.join(choices)}, got {text!r}")
         return values
     return parse
+
+
+#: The seeds a torch.Generator takes (manual_seed overflows past them).
+SEED_MIN, SEED_MAX = -2**63, 2**64 - 1
+
+
+def _seed(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"wants an integer, got {text!r}")
+    if not SEED_MIN <= n <= SEED_MAX:
+        raise argparse.ArgumentTypeError(f"wants an integer from -2**63 to 2**64 - 1 (the "
+                                         f"seeds torch's generator takes), got {text}")
+    return n
 
 
 def _version_line() -> str:
@@ -192,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--benchmark-inputs", action="store_true",
                    help="all-ones norm weights, as the public benchmark uses (default: random "
                         "weights, so a kernel that ignored them would fail)")
-    b.add_argument("--seed", type=int, default=0, metavar="N",
+    b.add_argument("--seed", type=_seed, default=0, metavar="N",
                    help="seed of the random inputs (q, k, v, caches, norm weights; default 0)")
     b.add_argument("--native-wait", type=_seconds, default=NATIVE_WAIT_S, metavar="SECONDS",
                    help="on a GPU, how long to wait for the native launch helpers to finish "
@@ -317,6 +333,8 @@ def _check_requests(args, timed: bool, workloads: list[Workload]) -> list[str]:
         folder = os.path.dirname(os.path.abspath(path)) if path else None
         if folder and not os.path.isdir(folder):
             raise UsageError(f"{opt} {path}: folder {folder} does not exist")
+        if path and os.path.isdir(path):
+            raise UsageError(f"{opt} {path}: is a folder; give a file name")
     if args.cache_len is not None:
         from .suite import cache_rows_needed
 
@@ -326,6 +344,24 @@ def _check_requests(args, timed: bool, workloads: list[Workload]) -> list[str]:
                 raise UsageError(f"--cache-len {args.cache_len}: workload {w.seq_len},"
                                  f"{w.cache_len},{w.batch} needs a cache of at least {need} rows")
     return impls
+
+
+def _check_memory(args, plan, cache_len: int | None, timed: bool) -> None:
+    """Refuses, before any work, a workload whose inputs cannot fit in this machine's memory
+    (the GPU's, or without one its RAM), saying what it needs and what to shrink."""
+    from .bench.runner import _size, inputs_size, memory_bytes
+
+    have = memory_bytes()
+    if have is None:
+        return
+    for listed, checked in plan.workloads:
+        size = inputs_size(checked, plan.geometry, args.layout, cache_len)
+        if size.total_bytes > have:
+            how = ("a smaller --cache-len" if args.cache_len is not None else
+                   "a smaller C or B in --shape" if args.shape else "a smaller --cache-len")
+            raise UsageError(f"workload {listed.seq_len},{listed.cache_len},{listed.batch} needs "
+                             f"{size.describe()}, more than this machine's {_size(have)} of "
+                             f"{'GPU memory' if timed else 'memory'}: use {how}")
 
 
 class _ProgressBar:
@@ -449,8 +485,9 @@ def _bench(args) -> int:
     if (cache_len is None and timed and not (args.shape or args.sweep)
             and args.layout == "bhsd"):
         cache_len = geometry.max_position_embeddings
+    plan = check_plan(workloads, geometry, reduced=not timed and not args.full)
+    _check_memory(args, plan, cache_len, timed)
     if not timed:
-        plan = check_plan(workloads, geometry, reduced=not args.full)
         err.print("No CUDA device: checking qkrope's kernel through Triton's interpreter at "
                   f"{plan.describe(geometry)}. Timing needs a CUDA GPU.", highlight=False,
                   markup=False)
@@ -475,6 +512,10 @@ def _bench(args) -> int:
                  f"; nothing written to {args.json} yet" if args.json else "")
         print(f"interrupted{where}", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except InputsTooLarge as e:  # memory taken since the check before the run
+        where = f"; partial results written to {written[0]}" if written else ""
+        print(f"qkrope bench: error: {e}{where}", file=sys.stderr)
+        return 1
     keep(report)
     print(render_markdown(report))
     if args.json:

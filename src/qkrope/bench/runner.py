@@ -30,7 +30,7 @@ from .impls import LAYOUTS, default_impls, peer_unavailable, resolve_impls, with
 
 __all__ = ["ImplResult", "WorkloadResult", "BenchReport", "CheckPlan", "Progress", "check_plan",
            "run_benchmark", "render_markdown", "write_json", "write_plot", "sweep_workloads",
-           "environment", "NATIVE_WAIT_S"]
+           "environment", "NATIVE_WAIT_S", "InputsTooLarge", "inputs_size", "memory_bytes"]
 
 # Vendor datasheet HBM bandwidth (bytes/s) by GPU name, for the "% spec BW" column.
 SPEC_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "B200": 8.0e12}
@@ -213,6 +213,67 @@ class Progress:
         """One workload finished; it was ``amount`` of the work."""
 
 
+class InputsTooLarge(RuntimeError):
+    """A workload's inputs could not be allocated (the message says what, and how to shrink
+    it)."""
+
+
+@dataclass(frozen=True)
+class InputsSize:
+    """What one workload's check holds in memory at its peak: the key and value caches (the
+    inputs, the oracle's fresh copies and the call's copies: three pairs) and the activations
+    with their outputs."""
+
+    cache_shape: tuple[int, ...]
+    total_bytes: int
+
+    def describe(self) -> str:
+        return (f"about {_size(self.total_bytes)}: key and value caches of "
+                f"{list(self.cache_shape)} bfloat16 each, held three times (inputs, the "
+                "oracle's result, the call's copy)")
+
+
+def inputs_size(w: Workload, g: ModelGeometry, layout: str = "bhsd",
+                cache_capacity: int | None = None) -> InputsSize:
+    """The memory :func:`run_benchmark` needs for workload ``w`` checked at geometry ``g``
+    (the same cache length rules as the run)."""
+    Hq, Hkv, D, elt = g.num_q_heads, g.num_kv_heads, g.head_dim, 2
+    if layout == "paged":
+        from ..suite import PAGED_BLOCK_SIZE, cache_rows_needed
+
+        slots = cache_capacity or (64 * w.tokens if w.seq_len == 1
+                                   else cache_rows_needed(w, "paged"))
+        shape = (-(-slots // PAGED_BLOCK_SIZE), PAGED_BLOCK_SIZE, Hkv, D)
+    else:
+        shape = (w.batch, Hkv, cache_capacity or w.cache_len + w.seq_len, D)
+    cache = math.prod(shape) * elt
+    activations = w.tokens * (2 * Hq + 4 * Hkv) * D * elt  # q, k, v, both outputs, reference's
+    return InputsSize(shape, 3 * 2 * cache + activations)
+
+
+def memory_bytes() -> int | None:
+    """The memory the inputs live in: the GPU's, or without one the machine's RAM."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if n < 1024 or unit == "PiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} PiB"
+
+
+def _allocation_failed(e: BaseException) -> bool:
+    return isinstance(e, torch.OutOfMemoryError) or (
+        isinstance(e, RuntimeError) and "can't allocate memory" in str(e))
+
+
 def _check(out, ref, atol) -> ImplResult:
     checks = check_outputs(out, ref, atol)
     return ImplResult(correct=all(c.ok for c in checks),
@@ -320,9 +381,18 @@ def run_benchmark(
         if available:
             progress.status(f"#{idx} {listed.name} inputs")
             L = cache_capacity or (None if layout == "paged" else w.cache_len + w.seq_len)
-            args = lay.make_inputs(w, g, device=device, cache_capacity=L, generator=gen,
-                                   benchmark_weights=benchmark_inputs)
-            ref = lay.reference(args, **options)
+            try:
+                args = lay.make_inputs(w, g, device=device, cache_capacity=L, generator=gen,
+                                       benchmark_weights=benchmark_inputs)
+                ref = lay.reference(args, **options)
+            except RuntimeError as e:
+                if not _allocation_failed(e):
+                    raise
+                size = inputs_size(w, g, layout, cache_capacity)
+                raise InputsTooLarge(
+                    f"workload {listed.seq_len},{listed.cache_len},{listed.batch}: could not "
+                    f"allocate its inputs ({size.describe()}): {str(e).splitlines()[0]}; use a "
+                    "smaller cache length (--cache-len) or workload (--shape S,C,B)") from None
         if timed:
             from .timing import cupti_call_times_us, same_bytes_copies, summarize
 
@@ -536,9 +606,14 @@ def write_json(report: BenchReport, path: str | os.PathLike) -> None:
     data["floor_geomean_us"] = report.floor_geomean()
     data["copy_geomean_us"] = report.copy_geomean()
     tmp = f"{os.fspath(path)}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=1)
+        os.replace(tmp, path)
+    except BaseException:  # leave no stray .tmp beside the path
+        if os.path.isfile(tmp):
+            os.remove(tmp)
+        raise
 
 
 def write_plot(report: BenchReport, path: str) -> None:

@@ -22,7 +22,6 @@ and one warning says so.
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
 import warnings
 from collections.abc import Sequence
@@ -48,6 +47,9 @@ current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 
 # Triton's interpreter keeps global state: launches from several threads must not interleave.
 _interpreter_lock = threading.Lock()
+# The range of eps the fast path passes on unchecked: 0 or a normal float32 (the kernel's
+# type); anything else takes the checked path, which names it.
+_FP32_TINY, _FP32_MAX = 2.0**-126, 3.4028234663852886e38
 _warned: set[str] = set()
 
 
@@ -193,7 +195,8 @@ class KernelLauncher:
             plan = self.plans.get((options, packed[0]))
         except TypeError:  # an unhashable option: the checked path reports it
             return None
-        if plan is None or type(eps) is not float or not 0.0 <= eps < math.inf:
+        if plan is None or type(eps) is not float or not (
+                eps == 0.0 or _FP32_TINY <= eps <= _FP32_MAX):
             return None
         addresses = packed[1]
         query_out, key_out, *addresses[-2:] = _native.outputs_fn()(query, key, query_out, key_out)

@@ -2,7 +2,8 @@
 
 ``reference.py`` (the oracle, never imported by production code), ``kernel.py`` (the one Triton
 kernel), ``launcher.py`` (checks, layout adapters, tile picker, launch), ``registration.py``
-(the ``torch.ops.qkrope.qknorm_rope`` custom op), ``api.py`` (the public functions).
+(the ``torch.ops.qkrope.qknorm_rope`` custom op), ``validation.py`` (``validate=True``'s value
+checks), ``api.py`` (the public functions).
 """
 
 from .api import (

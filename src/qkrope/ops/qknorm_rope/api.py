@@ -18,16 +18,16 @@ kernel; they differ only in how activations and caches are laid out:
 
 from __future__ import annotations
 
-import math
 import numbers
 
 import torch
 
 from .launcher import (
-    ACTIVATION_DTYPES, LAUNCHER, Options, _dtype_name, _scalar_on, _tensor, check_bhsd,
-    check_paged, scale_tensor,
+    ACTIVATION_DTYPES, FP32_MAX, FP32_TINY, LAUNCHER, Options, _dtype_name, _scalar_on, _tensor,
+    check_bhsd, check_paged, scale_tensor,
 )
 from .registration import options_key, qknorm_rope
+from .validation import check_rows, check_scale, validated_rows, validated_scale
 
 __all__ = ["fused_rope_with_qk_norm_and_kv_cache_update", "fused_qk_norm_rope_paged",
            "fused_qkv_norm_rope_paged", "split_packed_qkv"]
@@ -218,7 +218,8 @@ def _checked_call(checked: Options, tensors: tuple, k_scale, v_scale, query_out,
     k_sc = scale_tensor("k_scale", k_scale, key_cache, Hkv)
     v_sc = scale_tensor("v_scale", v_scale, value_cache, Hkv)
     if validate:
-        _validate(tensors[6], rows_bound, rows_name, k_sc, v_sc)
+        rows, k_sc, v_sc = _validate(tensors[6], rows_bound, rows_name, k_sc, v_sc)
+        tensors = (*tensors[:6], rows, *tensors[7:])
     query_out, key_out = _outputs(query, key, query_out, key_out)
     _refuse_autograd(checked.layout, (*tensors, query_out, key_out))
     qknorm_rope(*tensors, k_sc, v_sc, query_out, key_out, float(rms_norm_eps),
@@ -270,26 +271,26 @@ def _fast_scales(k_scale, v_scale, query):
     for s in (k_scale, v_scale):
         if s is None or type(s) is torch.Tensor:
             out.append(s)
-        elif type(s) is float and 0.0 < s < math.inf:
+        elif type(s) is float and FP32_TINY <= s <= FP32_MAX:  # else judged when checked
             out.append(_scalar_on(s, query.device))
         else:
             return None
     return out
 
 
-def _validate(rows: torch.Tensor, bound: int, name: str, *scales) -> None:
-    """``validate=True``: rows/slots inside the cache, FP8 scale values finite and > 0."""
-    checks = [(name, rows, (rows >= 0) & (rows < bound),
-               f"outside the cache [0, {bound}) (validate=True raises instead of skipping)")]
-    for scale_name, s in zip(("k_scale", "v_scale"), scales):
+def _validate(rows: torch.Tensor, bound: int, name: str, k_scale, v_scale) -> tuple:
+    """``validate=True``: rows/slots inside the cache, FP8 scale values finite and > 0
+    (``ValueError`` naming the argument). Returns ``(rows, k_scale, v_scale)`` for the launch:
+    under torch.compile checked copies, so the checks run in the graph, before the kernel."""
+    if torch.compiler.is_compiling():
+        return (validated_rows(rows, bound, name),
+                *(None if s is None else validated_scale(s, n)
+                  for n, s in (("k_scale", k_scale), ("v_scale", v_scale))))
+    check_rows(rows, bound, name)
+    for n, s in (("k_scale", k_scale), ("v_scale", v_scale)):
         if s is not None:
-            checks.append((scale_name, s, torch.isfinite(s) & (s > 0), "not finite and > 0"))
-    for arg, values, ok, what in checks:
-        if torch.compiler.is_compiling():
-            torch._check(bool(ok.all()), lambda arg=arg, what=what: f"{arg}: a value {what}")
-        elif not bool(ok.all()):  # host sync: only on request
-            raise ValueError(f"{arg} holds {values.reshape(-1)[~ok.reshape(-1)][0].item()}, "
-                             f"{what}")
+            check_scale(s, n)
+    return rows, k_scale, v_scale
 
 
 def _check_out(name: str, out, like: torch.Tensor) -> None:
@@ -327,12 +328,17 @@ def split_packed_qkv(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, hea
     """Views q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D] of a packed projection output
     ``qkv`` [T, (Hq + 2 Hkv) * D] (no copy)."""
     _tensor("qkv", qkv, 2, ACTIVATION_DTYPES)
+    return _split(qkv, num_q_heads, num_kv_heads, _head_count("head_dim", head_dim), "head_dim")
+
+
+def _split(qkv: torch.Tensor, num_q_heads, num_kv_heads, d: int, d_name: str):
+    """:func:`split_packed_qkv` with head_dim ``d`` checked; ``d_name`` says where the caller
+    gave it (errors name it)."""
     hq, hkv = _head_count("num_q_heads", num_q_heads), _head_count("num_kv_heads", num_kv_heads)
-    d = _head_count("head_dim", head_dim)
     width = (hq + 2 * hkv) * d
     if qkv.shape[1] != width:
         raise ValueError(f"qkv must have shape [T, {width}] ((num_q_heads + 2 num_kv_heads) * "
-                         f"head_dim), got {list(qkv.shape)}")
+                         f"{d_name}), got {list(qkv.shape)}")
     T = qkv.shape[0]
     q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=1)
     return q.view(T, hq, d), k.view(T, hkv, d), v.view(T, hkv, d)
@@ -343,8 +349,13 @@ def fused_qkv_norm_rope_paged(qkv: torch.Tensor, num_q_heads: int, num_kv_heads:
                               k_norm_weight, inv_freq, rms_norm_eps, **kwargs):
     """:func:`fused_qk_norm_rope_paged` on a packed projection output ``qkv``
     [T, (Hq + 2 Hkv) * D] (D from ``q_norm_weight``); same keywords and returns."""
+    _tensor("qkv", qkv, 2, ACTIVATION_DTYPES)
     _tensor("q_norm_weight", q_norm_weight, 1, ACTIVATION_DTYPES)
-    q, k, v = split_packed_qkv(qkv, num_q_heads, num_kv_heads, q_norm_weight.shape[-1])
+    d = q_norm_weight.shape[0]
+    if d < 1:  # head_dim is not an argument here: q_norm_weight's length gives it
+        raise ValueError(f"q_norm_weight must have shape [D] with D >= 1, the head_dim qkv's "
+                         f"heads are split by, got {list(q_norm_weight.shape)}")
+    q, k, v = _split(qkv, num_q_heads, num_kv_heads, d, "D, the length of q_norm_weight")
     return fused_qk_norm_rope_paged(q, k, v, positions, key_cache, value_cache, slot_mapping,
                                     q_norm_weight, k_norm_weight, inv_freq, rms_norm_eps,
                                     **kwargs)

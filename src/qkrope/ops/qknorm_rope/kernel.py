@@ -287,11 +287,16 @@ def _norm_rope_tile(x_lo, x_hi, w_lo, w_hi, x_ptr, row_off, stride_d, mask, w_pt
 def _round_e4m3(v):
     """Round fp32 to the float8_e4m3fn grid (nearest even) in fp32 arithmetic, for the
     interpreter, whose fp32->fp8 cast truncates: 3 mantissa bits for normals, steps of 2**-9
-    below 2**-6 (the adds round at that step; fp fusion is off)."""
+    below 2**-6 (the adds round at that step; fp fusion is off). The sign is kept, also where
+    a value rounds to zero (-0, as the GPU's conversion and torch's cast store it)."""
     bits = v.to(tl.uint32, bitcast=True)
+    sign = bits & 0x80000000
     bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000
     normal = bits.to(tl.float32, bitcast=True)
-    subnormal = (v + 24576.0) - 24576.0
+    # The magnitude rounded, then the sign put back: (v + 24576) - 24576 would give +0 for
+    # every negative v that rounds to zero.
+    magnitude = (tl.abs(v) + 24576.0) - 24576.0
+    subnormal = (magnitude.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
     return tl.where(tl.abs(v) < 0.015625, subnormal, normal)
 
 

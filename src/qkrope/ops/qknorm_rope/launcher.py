@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import struct
 from typing import NamedTuple
 
 import torch
@@ -86,6 +87,40 @@ def _real(name: str, x) -> float:
     return float(x)
 
 
+#: float32's largest finite and smallest normal magnitudes.
+FP32_MAX = 3.4028234663852886e38
+FP32_TINY = 2.0**-126
+
+
+def _as_float32(x: float) -> float:
+    """``x`` rounded to float32 (nearest even), +-inf beyond float32's range."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
+
+
+def _fp32(name: str, x: float) -> float:
+    """A scalar the kernel uses as float32: refused where its float32 rounding is infinite, or
+    0 or subnormal for a nonzero ``x`` (the op would compute with another value than asked:
+    all-NaN or all-zero outputs, or subnormals, which GPU math may flush to zero)."""
+    y = _as_float32(x)
+    if math.isinf(y):
+        raise ValueError(f"{name} must be within float32's range (|{name}| <= {FP32_MAX:.8g}; "
+                         f"the kernel computes in float32, where {x} is {y}), got {x}")
+    if x != 0 and abs(y) < FP32_TINY:
+        raise ValueError(f"{name} must be 0 or at least float32's smallest normal value "
+                         f"({FP32_TINY:.8g}) in magnitude (the kernel computes in float32, where "
+                         f"{x} is {'0' if y == 0 else 'subnormal'}), got {x}")
+    return x
+
+
+def _type_name(x) -> str:
+    """``x``'s type as a caller would spell it: ``float``, ``numpy.bool``."""
+    t = type(x)
+    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
 def _check_options(opts: Options, D: int) -> Options:
     """Validated options with ``rotary_dim`` and ``mrope_section`` in canonical form."""
     if opts.rotary_style not in ROTARY_STYLES:
@@ -93,13 +128,14 @@ def _check_options(opts: Options, D: int) -> Options:
     if opts.norm_rounding not in NORM_ROUNDINGS:
         raise ValueError(f"norm_rounding must be one of {NORM_ROUNDINGS}, got "
                          f"{opts.norm_rounding!r}")
-    offset = _real("norm_weight_offset", opts.norm_weight_offset)
+    offset = _fp32("norm_weight_offset", _real("norm_weight_offset", opts.norm_weight_offset))
     if offset and opts.norm_rounding == "hf":
         raise ValueError("norm_weight_offset (Gemma-style 1 + w) needs norm_rounding="
                          "'weight_fp32', the rounding of the models that use it")
     scale = _real("cos_sin_scale", opts.cos_sin_scale)
     if scale <= 0:
         raise ValueError(f"cos_sin_scale must be > 0, got {scale}")
+    _fp32("cos_sin_scale", scale)
     rot = D if opts.rotary_dim is None else opts.rotary_dim
     if isinstance(rot, bool) or not isinstance(rot, int) or not (2 <= rot <= D and rot % 2 == 0):
         raise ValueError(f"rotary_dim must be an even int in [2, head_dim={D}], got "
@@ -117,8 +153,12 @@ def _check_options(opts: Options, D: int) -> Options:
                              f"width) summing to rotary_dim/2={rot // 2}, got "
                              f"{opts.mrope_section!r}")
     if not isinstance(opts.mrope_interleaved, bool):
-        raise TypeError(f"mrope_interleaved must be a bool, got "
-                        f"{type(opts.mrope_interleaved).__name__}")
+        raise TypeError(f"mrope_interleaved must be a Python bool (True or False), got "
+                        f"{opts.mrope_interleaved!r} of type {_type_name(opts.mrope_interleaved)}")
+    if opts.mrope_interleaved and section is None:
+        raise ValueError("mrope_interleaved=True needs mrope_section (the temporal, height and "
+                         "width frequency counts it interleaves); without it the op would run "
+                         "plain RoPE")
     return opts._replace(rotary_dim=rot, norm_weight_offset=offset, cos_sin_scale=scale,
                          mrope_section=section)
 
@@ -137,6 +177,7 @@ def scale_tensor(name: str, scale, cache: torch.Tensor, num_kv_heads: int):
     if isinstance(scale, numbers.Real) and not isinstance(scale, bool):
         if not (math.isfinite(scale) and scale > 0):
             raise ValueError(f"{name} must be finite and > 0, got {scale}")
+        _fp32(name, float(scale))  # stored as a float32 tensor
         if torch.compiler.is_compiling():  # traced: a graph constant, not a cached tensor
             return torch.full((1,), float(scale), dtype=torch.float32, device=cache.device)
         return _scalar_on(float(scale), cache.device)
@@ -168,6 +209,7 @@ def _check_common(query, key, value, key_cache, value_cache, q_norm_weight, k_no
     eps = _real("rms_norm_eps", rms_norm_eps)
     if eps < 0:
         raise ValueError(f"rms_norm_eps must be >= 0, got {rms_norm_eps}")
+    _fp32("rms_norm_eps", eps)  # passed to the kernel as float32
     if D not in HEAD_DIMS:
         raise ValueError(f"query head_dim must be one of {HEAD_DIMS}, got {D}")
     if Hq < 1 or Hkv < 1 or Hq % Hkv:

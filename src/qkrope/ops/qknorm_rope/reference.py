@@ -16,7 +16,10 @@ happens below):
   ``cos_sin_scale`` in fp32 (HF's ``attention_scaling``), rounded to the activation dtype.
 - R3 rotation: every product and each sum is one eager op in the activation dtype, so rounded
   (HF's ``q * cos + rotate_half(q) * sin``).
-- R4 FP8 caches: ``saturate(x / scale)`` to +-448 in fp32, rounded to e4m3 (NaN stays NaN).
+- R4 FP8 caches: ``saturate(x / scale)`` to +-448 in fp32, rounded to e4m3 (nearest even, the
+  sign of zero kept); NaN, from the data or the scale, is stored as the one NaN code 0x7F, as
+  the GPU's conversion does (torch's cast keeps a NaN's sign: 0xFF for a negative NaN, which
+  ``0 / 0`` is on x86).
 
 By default both return fresh caches (as the public benchmark's reference does) and leave their
 arguments untouched; ``inplace=True`` writes the given caches.
@@ -30,6 +33,7 @@ __all__ = ["qknorm_rope_cache_ref", "qknorm_rope_paged_ref", "rms_norm_ref", "ro
            "cos_sin_ref", "rotate_ref", "qk_rotated_fp64"]
 
 _FP8_MAX = {torch.float8_e4m3fn: 448.0}
+_FP8_NAN = 0x7F  # float8_e4m3fn's positive NaN: the code the kernel stores for every NaN
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -92,7 +96,8 @@ def _quantize(rows: torch.Tensor, cache_dtype: torch.dtype, scale, head_dim_axis
             shape[head_dim_axis] = -1
             scale = scale.view(shape)
         q = rows.float() / scale
-        rows = torch.where(q.isnan(), q, q.clamp(-lim, lim))
+        stored = torch.where(q.isnan(), q, q.clamp(-lim, lim)).to(cache_dtype)
+        return torch.where(q.isnan(), _FP8_NAN, stored.view(torch.uint8)).view(cache_dtype)
     return rows.to(cache_dtype)
 
 
@@ -138,8 +143,9 @@ def qknorm_rope_cache_ref(
         key_cache, value_cache = key_cache.clone(), value_cache.clone()
     rows, k_new, v_new = cache_position.long(), k_rot, value
     if skip_out_of_range:
+        # In int64: compared as int32, a bound of 2**31 rows or more would wrap negative.
         L = key_cache.shape[2]
-        keep = (cache_position >= 0) & (cache_position < L)
+        keep = (rows >= 0) & (rows < L)
         rows, k_new, v_new = rows[keep], k_rot[:, :, keep], value[:, :, keep]
     for cache, new, scale in ((key_cache, k_new, k_scale), (value_cache, v_new, v_scale)):
         new = _quantize(new, cache.dtype, scale, 1)
@@ -175,7 +181,7 @@ def qknorm_rope_paged_ref(
     block_size = key_cache.shape[1] if cache_layout == "NHD" else key_cache.shape[2]
     slots, k_new, v_new = slot_mapping.long(), k_rot, value
     if skip_out_of_range:
-        keep = (slot_mapping >= 0) & (slot_mapping < key_cache.shape[0] * block_size)
+        keep = (slots >= 0) & (slots < key_cache.shape[0] * block_size)  # int64, as above
         slots, k_new, v_new = slots[keep], k_rot[keep], value[keep]
     block, offset = slots // block_size, slots % block_size
     for cache, rows, scale in ((key_cache, k_new, k_scale), (value_cache, v_new, v_scale)):
