@@ -110,9 +110,9 @@ def _version_line() -> str:
 
 
 def _impl_help() -> str:
-    from .bench.impls import IMPLS
+    from .bench.impls import ALL_IMPLS
 
-    names = "; ".join(f"{n}: {i.description}" for n, i in IMPLS.items())
+    names = "; ".join(f"{n}: {i.description}" for n, i in ALL_IMPLS.items())
     return ("comma-separated implementations to compare (" + names + "). Default: every one "
             "that can run here (a peer whose package is missing is left out); without a CUDA "
             "GPU only qkrope, as nothing is timed there. Naming one that cannot run reports "
@@ -177,7 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "workload, so an interrupted run keeps its partial results)")
     b.add_argument("--plot", metavar="PATH",
                    help="write a PNG of latency vs tokens with the bandwidth floor (needs "
-                        "matplotlib and a CUDA GPU)")
+                        "matplotlib; without a CUDA GPU nothing is timed, so no plot is "
+                        "written, and the rest of the run goes ahead)")
 
     i = sub.add_parser("info", help="versions, GPU, Triton interpreter state and which launch "
                                         "route is active, and why",
@@ -205,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _bench_list() -> int:
     import torch
 
-    from .bench.impls import IMPLS, LAYOUTS
+    from .bench.impls import ALL_IMPLS, impl_layouts
 
     timed = torch.cuda.is_available()
     print(WORKLOADS_TEXT)
@@ -218,11 +219,12 @@ def _bench_list() -> int:
             print(f"{k:>3} {w.seq_len:>5} {w.cache_len:>5} {w.batch:>4} {w.tokens:>6}  "
                   f"{w.atol:g}")
     print("\nImplementations (--impl):")
-    for name, impl in IMPLS.items():
+    for name, impl in ALL_IMPLS.items():
+        # Why not on this machine (e.g. a missing package), asked of a layout that has it.
         why = impl.unavailable()
         if why is None and not timed and name != "qkrope":
             why = "checked and timed only on a CUDA GPU"
-        layouts = "/".join(k for k, lay in LAYOUTS.items() if name in lay.impls)
+        layouts = "/".join(impl_layouts(name))
         state = "runs here" if why is None else f"not here: {why}"
         print(f"  {name:<14} {impl.description} [{layouts}; {state}]")
     return 0
@@ -239,31 +241,30 @@ def _workloads(args) -> list[Workload]:
 
 def _check_requests(args, timed: bool, workloads: list[Workload]) -> list[str]:
     """Everything a request needs that can be known before any work; returns the impl list."""
-    from .bench.impls import IMPLS, default_impls
+    from .bench.impls import ALL_IMPLS, default_impls
 
     if args.impl is None:
         impls = default_impls(args.layout, timed)
     else:
         impls = [s.strip() for s in args.impl.split(",") if s.strip()]
-        unknown = [n for n in impls if n not in IMPLS]
+        unknown = [n for n in impls if n not in ALL_IMPLS]
         if unknown:
             raise UsageError(f"--impl: unknown implementation {', '.join(map(repr, unknown))}; "
-                             f"choose from {', '.join(IMPLS)}")
+                             f"choose from {', '.join(ALL_IMPLS)}")
         if not impls:
             raise UsageError("--impl: no implementation named")
-    if args.plot:
+    for opt, path in (("--json", args.json), ("--plot", args.plot)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder and not os.path.isdir(folder):
+            raise UsageError(f"{opt} {path}: folder {folder} does not exist")
+    # Without a GPU nothing is timed, so nothing is plotted: the run (and --json) goes ahead and
+    # says so at the end; matplotlib is only needed where a plot will be drawn.
+    if args.plot and timed:
         try:
             importlib.import_module("matplotlib")
         except ImportError:
             raise UsageError("--plot needs matplotlib: pip install 'qkrope[plot]' (or drop "
                              "--plot)") from None
-        if not timed:
-            raise UsageError("--plot draws timings, and timing needs a CUDA GPU; this machine "
-                             "has none (drop --plot)")
-    for opt, path in (("--json", args.json), ("--plot", args.plot)):
-        folder = os.path.dirname(os.path.abspath(path)) if path else None
-        if folder and not os.path.isdir(folder):
-            raise UsageError(f"{opt} {path}: folder {folder} does not exist")
     if args.cache_len is not None:
         from .suite import cache_rows_needed
 
@@ -359,11 +360,14 @@ def _bench(args) -> int:
     print(render_markdown(report))
     if args.json:
         err.print(f"wrote {args.json}", highlight=False, markup=False)
-    if args.plot:
+    if args.plot and report.timed:
         from .bench import write_plot
 
         write_plot(report, args.plot)
         err.print(f"wrote {args.plot}", highlight=False, markup=False)
+    elif args.plot:
+        err.print(f"--plot: {args.plot} not written: it draws timings, and timing needs a CUDA "
+                  "GPU", highlight=False, markup=False)
     # A wrong qkrope result fails the command; a failing peer is only reported.
     ours = [w.impls["qkrope"] for w in report.workloads if "qkrope" in w.impls]
     return 1 if any(r.correct is False or r.error for r in ours) else 0
@@ -395,7 +399,7 @@ def collect_info() -> dict:
             p = torch.cuda.get_device_properties(k)
             gpus.append(f"{p.name} (capability {p.major}.{p.minor}, "
                         f"{p.multi_processor_count} SMs, {p.total_memory / 2**30:.0f} GiB)")
-        from .bench.runner import _driver_version
+        from .bench.env import _driver_version
 
         info["driver"] = _driver_version() or "unknown (nvidia-smi did not answer)"
     info["gpus"] = gpus
@@ -410,7 +414,19 @@ def collect_info() -> dict:
         info["native"] = _native.describe()
     except Exception as e:  # info must print even where the description fails
         info["native"] = {"status": _native.status(), "error": f"{type(e).__name__}: {e}"}
+    info["native"] = _consistent_native(info["native"])
     return info
+
+
+def _consistent_native(native: dict) -> dict:
+    """``_native.status()`` says "not built yet" until *this* process loads the module, also
+    where a build (``qkrope build-native``, another process) left a verified file in the cache
+    (``cached``): then say that, so the two lines of ``qkrope info`` agree."""
+    status = native.get("status")
+    if native.get("cached") is True and isinstance(status, str) and "not built yet" in status:
+        native = dict(native, status="python (native built and cached, not loaded in this "
+                                     "process: it loads at the first GPU launch)")
+    return native
 
 
 _INFO_LABELS = {
