@@ -1,5 +1,5 @@
-"""What the benchmark scripts share: the CUDA guard, row names, inputs, interleaved timing,
-forced tile configs and patched kernel variants (experiments stay here, out of ``src/``).
+"""What the benchmark scripts share: the CUDA guard, row names, inputs and forced tile
+configs (kernel variants: ``variants.py``; experiments stay out of ``src/``).
 
 Rows: ``1``-``13`` are SPEC §2 suite workloads ([B, H, S, D], ``qkrope.run``), ``p1``-``p3``
 the paged workloads (token-major, NHD cache, ``qkrope.fused_qk_norm_rope_paged``), and
@@ -9,18 +9,12 @@ the paged workloads (token-major, NHD cache, ``qkrope.fused_qk_norm_rope_paged``
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import importlib.util
-import statistics
 import sys
-import tempfile
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
 from qkrope.ops.qknorm_rope import launcher
-from qkrope.ops.qknorm_rope import kernel as kernel_module
 from qkrope.ops._launch import KernelLauncher
 from qkrope.suite import (DEFAULT_MODEL, PAGED_SUITE, SUITE, Workload, make_inputs,
                           make_paged_inputs)
@@ -71,21 +65,6 @@ def row_inputs(row: Row, device="cuda", generator=None, cache_capacity=None,
                 cache_capacity=cache_capacity)
 
 
-def interleaved_medians(calls: dict, copies: dict, flush, rounds: int, iters: int) -> dict:
-    """GPU µs per call (SPEC §3: CUPTI, ``flush`` before each call) of each of ``calls`` and,
-    as ``"copy"``, of the faster of ``copies`` (the bench's same-bytes copies), timed in
-    ``rounds`` rounds that alternate them all: per name the median of its round medians."""
-    from qkrope.bench.timing import cupti_call_times_us
-
-    rounds_us = {"copy": [], **{n: [] for n in calls}}
-    for _ in range(rounds):
-        rounds_us["copy"].append(min(statistics.median(cupti_call_times_us(c, flush, iters=iters))
-                                     for c in copies.values()))
-        for n, fn in calls.items():
-            rounds_us[n].append(statistics.median(cupti_call_times_us(fn, flush, iters=iters)))
-    return {n: statistics.median(t) for n, t in rounds_us.items()}
-
-
 def row_op(row: Row):
     import qkrope
 
@@ -104,59 +83,8 @@ def launch_args(args: tuple, query_out, key_out, opts: launcher.Options,
 
 
 # --------------------------------------------------------------------------------------------
-# patched kernels and forced tiles
+# forced tiles (kernel variants: variants.py)
 # --------------------------------------------------------------------------------------------
-#: name -> (what it probes, [(text in kernel.py, replacement), ...]). Each text must occur
-#: exactly once, so a kernel change breaks a variant loudly instead of silently measuring the
-#: production kernel. Trig probes: docs/perf-notes.md runs 3, 4, 7 (the old TRIG=1/2 knobs).
-VARIANTS = {
-    "trig-hw": (
-        "hardware sin/cos approximations (libdevice fast_cosf/fast_sinf, MUFU) instead of the "
-        "accurate libdevice cos/sin: cost probe, wrong at large angles",
-        [("cos = libdevice.cos(angle)", "cos = libdevice.fast_cosf(angle)"),
-         ("sin = libdevice.sin(angle)", "sin = libdevice.fast_sinf(angle)")]),
-    "trig-const": (
-        "cos = 1, sin = 0 (no trig at all): what the trig costs; wrong results",
-        [("cos = libdevice.cos(angle)", "cos = angle * 0.0 + 1.0"),
-         ("sin = libdevice.sin(angle)", "sin = angle * 0.0")]),
-}
-
-
-def variant_source(name: str) -> str:
-    """kernel.py's text with variant ``name``'s substitutions applied."""
-    if name not in VARIANTS:
-        raise ValueError(f"unknown kernel variant {name!r}; known: {', '.join(VARIANTS)}")
-    src = Path(kernel_module.__file__).read_text()
-    for old, new in VARIANTS[name][1]:
-        count = src.count(old)
-        if count != 1:
-            raise RuntimeError(f"variant {name!r}: {old!r} occurs {count} times in "
-                               f"{kernel_module.__file__} (want 1): update VARIANTS")
-        src = src.replace(old, new)
-    return src
-
-
-def variant_kernel(name: str | None):
-    """The production ``qknorm_rope_kernel`` (``name`` None or "production"), or a fresh copy
-    of kernel.py with variant ``name`` applied. The copy is imported from a file, not exec'd
-    from a string: @triton.jit reads its function's source with ``inspect``."""
-    if name in (None, "production"):
-        return kernel_module.qknorm_rope_kernel
-    src = variant_source(name)
-    tag = hashlib.sha1(src.encode()).hexdigest()[:10]
-    module_name = f"qkrope_kernel_{name.replace('-', '_')}_{tag}"
-    if module_name in sys.modules:
-        return sys.modules[module_name].qknorm_rope_kernel
-    path = Path(tempfile.gettempdir()) / "qkrope-kernel-variants" / f"{module_name}.py"
-    path.parent.mkdir(exist_ok=True)
-    path.write_text(src)
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    spec.loader.exec_module(module)
-    return module.qknorm_rope_kernel
-
-
 def parse_config(text: str) -> launcher.TileConfig:
     """``"BLOCK_HQ,BLOCK_HKV,BLOCK_T,num_warps"`` -> TileConfig."""
     try:

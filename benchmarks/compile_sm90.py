@@ -1,11 +1,11 @@
 """Compile the production kernel for sm_90 (H100/H200) on a machine without a GPU and report
 what it became: registers, spills, shared memory, SASS instruction mix, global load/store
 widths. Catches Triton frontend errors, register spills and lost vector loads before any
-device time is spent (docs/perf-notes.md, runs 2 and 7).
+device time is spent (docs/design.md §Load and trig order).
 
     python benchmarks/compile_sm90.py                          # default rows and features
     python benchmarks/compile_sm90.py --rows 2 --config 2,1,1,1 --dump /tmp/sm90
-    python benchmarks/compile_sm90.py --rows 3 --variant trig-const
+    python benchmarks/compile_sm90.py --rows 3 --variant no_trig
 
 Each kernel is compiled exactly as a launch on an H200 would compile it: the public call's
 arguments (meta tensors: no memory) go through the production ``launcher.launch`` with the
@@ -39,9 +39,8 @@ from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import (  # noqa: E402
-    VARIANTS, forced, launch_args, parse_config, parse_rows, row_options, variant_kernel,
-)
+from _common import forced, launch_args, parse_config, parse_rows, row_options  # noqa: E402
+from variants import VARIANTS, variant_kernel  # noqa: E402
 from qkrope.ops.qknorm_rope import launcher  # noqa: E402
 from qkrope.suite import MODELS, ModelGeometry, make_inputs, make_paged_inputs  # noqa: E402
 
@@ -160,7 +159,7 @@ def main() -> None:
                    help="compile this tile instead of pick_config's (repeatable)")
     p.add_argument("--variant", default="production",
                    choices=("production", *VARIANTS),
-                   help="a patched kernel (benchmarks/_common.py VARIANTS), e.g. to see what "
+                   help="a patched kernel (benchmarks/variants.py), e.g. to see what "
                         "the trig costs in instructions")
     p.add_argument("--sms", type=int, default=132,
                    help="SM count pick_config assumes (H200: 132, H100 SXM: 132)")

@@ -1,32 +1,26 @@
 #!/usr/bin/env bash
-# One device call per step, in the order the open issues need them (each step's output lands in
-# $OUT, which the device tool returns). Usage on the GPU machine, from the repo root:
+# One device call per step (each step's output lands in $OUT, which the device tool returns).
+# Usage on the GPU machine, from the repo root:
 #   bash benchmarks/device_session.sh tests      # full GPU test run                 (~80 s)
+#   bash benchmarks/device_session.sh python     # QKROPE_NATIVE=0: launcher + GPU tests
+#   bash benchmarks/device_session.sh faults     # kill mid-build, GPU tests x2 (-n 12), memcheck
+#   bash benchmarks/device_session.sh quick      # qkrope bench, qkrope only (~80 s)
 #   bash benchmarks/device_session.sh suite      # qkrope bench, suite, JSON + plot (~200 s)
 #   bash benchmarks/device_session.sh paged      # qkrope bench --layout paged       (~90 s)
+#   bash benchmarks/device_session.sh flashinfer # qkrope bench --layout paged vs FlashInfer
 #   bash benchmarks/device_session.sh sweep      # --sweep vs torch.compile, 96/8 and 32/8 heads
+#   bash benchmarks/device_session.sh presets    # sweeps: qwen3-32b, qwen3-vl-8b, qwen3.5-27b
 #   bash benchmarks/device_session.sh e2e        # Qwen3 decode step with/without the patch
 #   bash benchmarks/device_session.sh tiles      # tile sweep on the mid-size workloads
-#   bash benchmarks/device_session.sh decode     # decode tiles, B=1..16, 3 rounds (open lead 1)
-#   bash benchmarks/device_session.sh prefill    # tiles at 8-64 prefill tokens (open lead 2)
-#   bash benchmarks/device_session.sh trig       # trig cost probes (patched kernel copies)
+#   bash benchmarks/device_session.sh small-tiles # one head per program vs tiles, 1-64 tokens, 5 models
+#   bash benchmarks/device_session.sh trig       # trig cost: kernel variants trig_hw, no_trig
 #   bash benchmarks/device_session.sh host       # host µs per call: native helpers vs off
-#   bash benchmarks/device_session.sh python     # QKROPE_NATIVE=0: launcher + GPU tests
-#   bash benchmarks/device_session.sh launch     # native vs checked launch route, GPU + host µs
 #   bash benchmarks/device_session.sh accuracy   # kernel vs reference vs exact fp64
-#   bash benchmarks/device_session.sh copy       # which plain copy is the same-bytes yardstick
 #   bash benchmarks/device_session.sh ab REV     # kernel_ab.py: REV against the tree (needs .git)
 #   bash benchmarks/device_session.sh ab-model REV MODEL # the same on MODEL's heads and options
-#   bash benchmarks/device_session.sh quick      # qkrope bench, qkrope only (~80 s)
-#   bash benchmarks/device_session.sh faults     # kill mid-build, GPU tests x2 (-n 12), memcheck
-#   bash benchmarks/device_session.sh presets    # sweeps: qwen3-32b, qwen3-vl-8b, qwen3.5-27b
-#   bash benchmarks/device_session.sh probes     # kernel_ab: int32_addressing, no_trig, skeleton
-#   bash benchmarks/device_session.sh flashinfer # qkrope bench --layout paged vs FlashInfer (.fi)
+#   bash benchmarks/device_session.sh variants REV NAME... # kernel_ab: REV, the tree, variants
 #   bash benchmarks/device_session.sh verify REV # after a kernel change: tests, suite, A/B, sweep
-#   bash benchmarks/device_session.sh cuda-decode # decode #1/#2: hand-written CUDA kernels (~20 s)
-#   bash benchmarks/device_session.sh cuda-skeleton # the op's loads/stores in CUDA, all 13 rows (~20 s)
-#   bash benchmarks/device_session.sh small-tiles # one head per program vs tiles, 1-64 tokens, 5 models
-#   bash benchmarks/device_session.sh partial-freqs # probe partial_rotary_freqs: GPU tests, A/B on qwen3.5
+#   bash benchmarks/device_session.sh partial-freqs # variant partial_rotary_freqs: GPU tests, A/B on qwen3.5
 # What needs no GPU runs here instead: python benchmarks/compile_sm90.py (benchmarks/README.md).
 # Liger-Kernel, if wanted, travels as a wheel in .whl/ (see the device tool's README).
 set -uo pipefail
@@ -56,21 +50,13 @@ case "${1:-tests}" in
   tiles) python3 benchmarks/tile_sweep.py --rows 3,4,6,8,10 \
            --configs pick 16,8,1,2 8,8,2,2 16,8,2,2 8,4,2,1 32,8,1,4 4,4,4,2 \
            --json "$OUT/tiles.json" 2>&1 | tee "$OUT/tiles.md" ;;
-  decode) python3 benchmarks/tile_sweep.py --rows 2,1,1:511:2,1:511:8,1:511:16 \
-           --configs pick 1,1,1,1 2,1,1,1 2,2,1,1 4,2,1,1 1,1,1,2 --rounds 3 --iters 50 \
-           --json "$OUT/decode-tiles.json" 2>&1 | tee "$OUT/decode-tiles.md" ;;
-  prefill) python3 benchmarks/tile_sweep.py --rows 8:0:1,16:0:1,32:0:1,64:0:1 \
-           --configs pick 1,1,1,1 2,1,1,1 4,2,1,1 8,8,1,2 16,8,1,2 --rounds 3 --iters 50 \
-           --json "$OUT/prefill-tiles.json" 2>&1 | tee "$OUT/prefill-tiles.md" ;;
   trig)  python3 benchmarks/tile_sweep.py --rows 1,2,3,6,8,13 --configs pick \
-           --variants production,trig-hw,trig-const --rounds 3 \
+           --variants production,trig_hw,no_trig --rounds 3 \
            --json "$OUT/trig.json" 2>&1 | tee "$OUT/trig.md" ;;
   host)  python3 benchmarks/host_probe.py --rows 1,2 2>&1 | tee "$OUT/host.md" ;;
   python) QKROPE_NATIVE=0 python3 -m pytest -q -p no:cacheprovider tests/test_launcher.py \
             tests/test_gpu.py tests/test_compile.py 2>&1 | tee "$OUT/pytest-python.log" | tail -5 ;;
-  launch) python3 benchmarks/launch_ab.py 2>&1 | tee "$OUT/launch.md" ;;
   accuracy) python3 benchmarks/accuracy.py 2>&1 | tee "$OUT/accuracy.md" ;;
-  copy)  python3 benchmarks/copy_probe.py 2>&1 | tee "$OUT/copy.md" ;;
   ab)    python3 benchmarks/kernel_ab.py --rev "${2:?usage: device_session.sh ab REV}" \
            --json "$OUT/kernel-ab.json" 2>&1 | tee "$OUT/kernel-ab.md" ;;
   ab-model) python3 benchmarks/kernel_ab.py --rev "${2:?usage: device_session.sh ab-model REV MODEL}" \
@@ -93,14 +79,13 @@ case "${1:-tests}" in
              --host-calls 200 --json "$OUT/sweep-$m.json" --plot "$OUT/sweep-$m.png" \
              2>&1 | tee "$OUT/sweep-$m.md" | tail -3
          done ;;
-  probes) python3 benchmarks/probe_trees.py /tmp/p int32_addressing no_trig skeleton && \
-          python3 benchmarks/kernel_ab.py --rev c847d97 --tree i32=/tmp/p/int32_addressing/src \
-            --tree nt=/tmp/p/no_trig/src --tree sk=/tmp/p/skeleton/src --rounds 3 --iters 40 \
-            --json "$OUT/kernel-ab-probes.json" 2>&1 | tee "$OUT/kernel-ab-probes.md" ;;
-  flashinfer) # .fi carried (bash benchmarks/flashinfer_carry.sh here first)
-    PYTHONPATH=$PWD/src:$PWD/.fi/site${PYTHONPATH:+:$PYTHONPATH} python3 benchmarks/flashinfer_h2h.py \
-      --qkrope-bench --layout paged --model qwen3-32b --impl qkrope,flashinfer \
+  flashinfer) # FlashInfer 0.7.x importable (installed, or carried: PYTHONPATH=its site dir)
+    python3 -m qkrope bench --layout paged --model qwen3-32b --impl qkrope,flashinfer \
       --json "$OUT/paged-flashinfer.json" 2>&1 | tee "$OUT/paged-flashinfer.md" ;;
+  variants) # kernel variants of benchmarks/variants.py against REV and the tree, interleaved
+    rev=${2:?usage: device_session.sh variants REV NAME...}; shift 2
+    python3 benchmarks/kernel_ab.py --rev "$rev" ${@/#/--variant=} --rounds 3 --iters 40 \
+      --json "$OUT/kernel-ab-variants.json" 2>&1 | tee "$OUT/kernel-ab-variants.md" ;;
   verify) # GPU tests (xdist), the suite, the partial-rotary preset's sweep, kernel_ab against REV
     rev=${2:?usage: device_session.sh verify REV}
     timeout 240 python3 -m pytest tests/ -q -p no:cacheprovider -n 12 > "$OUT/pytest.log" 2>&1
@@ -113,24 +98,20 @@ case "${1:-tests}" in
     timeout 150 python3 benchmarks/kernel_ab.py --rev "$rev" --rounds 2 --iters 30 \
       --json "$OUT/kernel-ab.json" > "$OUT/kernel-ab.md" 2>&1; echo "kernel_ab rc=$?"
     grep -E "^\| (row|[0-9p]+) \||geomean" "$OUT/kernel-ab.md" ;;
-  cuda-decode) python3 benchmarks/decode_cuda_probe.py --rows 1,2 --rounds 7 --iters 60 \
-                2>&1 | tee "$OUT/decode-cuda.md" ;;
   small-tiles) for m in qwen3-coder-480b qwen3-32b qwen3-8b qwen3-0.6b qwen3.5-27b; do
            big=16,8,1,2; [ $m = qwen3.5-27b ] && big=8,4,1,2
            python3 benchmarks/tile_sweep.py --model $m --configs pick 1,1,1,1 $big --rounds 3 \
              --rows 1:0:1,2:0:1,4:0:1,6:0:1,8:0:1,16:0:1,32:0:1,64:0:1,1:511:4,1:511:16 \
              --json "$OUT/small-tiles-$m.json" 2>&1 | tee "$OUT/small-tiles-$m.md"
          done ;;
-  cuda-skeleton) python3 benchmarks/skeleton_cuda_probe.py --rounds 5 --iters 40 \
-            2>&1 | tee "$OUT/skeleton-cuda.md" ;;
-  partial-freqs) # the candidate of docs/perf-notes.md "Open leads" 3 (~6 min): the GPU tests on
-          # the patched tree, then the working tree and the patched tree against 1fc148b (a commit
-          # the device copy's git holds) on Qwen3.5's heads, interleaved
-    python3 benchmarks/probe_trees.py /tmp/p partial_rotary_freqs || exit 1
-    PYTHONPATH=/tmp/p/partial_rotary_freqs/src${PYTHONPATH:+:$PYTHONPATH} python3 -m pytest -q \
+  partial-freqs) # the open lead of docs/perf-notes.md (~6 min): the GPU tests on the patched
+          # tree, then the working tree and the patched tree against 1fc148b (a commit the device
+          # copy's git holds) on Qwen3.5's heads, interleaved
+    python3 benchmarks/variants.py /tmp/v partial_rotary_freqs || exit 1
+    PYTHONPATH=/tmp/v/partial_rotary_freqs/src${PYTHONPATH:+:$PYTHONPATH} python3 -m pytest -q \
       tests/ -p no:cacheprovider -n 12 2>&1 | tee "$OUT/pytest-partial-freqs.log" | tail -4
     python3 benchmarks/kernel_ab.py --rev 1fc148b --model qwen3.5-27b \
-      --tree freqs=/tmp/p/partial_rotary_freqs/src --rounds 3 --iters 40 \
+      --tree freqs=/tmp/v/partial_rotary_freqs/src --rounds 3 --iters 40 \
       --workloads 1,2,3,4,5,8,10,12,13,p1,p2 --json "$OUT/kernel-ab-partial-freqs.json" \
       2>&1 | tee "$OUT/kernel-ab-partial-freqs.md" ;;
   *) echo "unknown step $1" >&2; exit 2 ;;

@@ -1,6 +1,6 @@
 """Host µs per eager call on a GPU machine, and the parts of the native fast path, beside
-torch's ``x.add_(1)``: the measurement behind issue 4's host target (docs/perf-notes.md, runs
-7, 10, 11, 13).
+torch's ``x.add_(1)``: the measurement behind the native route (docs/design.md §Native launch
+route) and the tool for the host lead of docs/perf-notes.md.
 
     python benchmarks/host_probe.py                    # 1-token decode (suite #1)
     python benchmarks/host_probe.py --rows 1,2,p1 --calls 2000

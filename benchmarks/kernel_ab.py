@@ -1,14 +1,17 @@
 """A/B of the op at a git revision against the working tree, through the public API, on the
-suite and the paged workloads, interleaved in one run (docs/perf-notes.md).
+suite and the paged workloads, interleaved in one run (how every figure of docs/design.md that
+compares two kernels was taken).
 
     python benchmarks/kernel_ab.py --rev c847d97                  # every suite + paged row
     python benchmarks/kernel_ab.py --rev HEAD~1 --workloads 1,2,p1 --rounds 3
-    python benchmarks/kernel_ab.py --rev c847d97 --tree probe=/tmp/probe/src   # + a variant
+    python benchmarks/kernel_ab.py --rev c847d97 --variant skeleton --variant no_trig
+    python benchmarks/kernel_ab.py --rev c847d97 --tree probe=/tmp/probe/src   # any src/ copy
     python benchmarks/kernel_ab.py --rev main --model qwen3.5-27b --workloads 1,2,3,13
 
-"old" is the first ``--rev``; further ``--rev``s and ``--tree NAME=SRC`` (a patched copy of
-``src/``, e.g. a probe variant of the kernel) are timed in the same rounds and reported as
-ratios to "old" beside "new" (the working tree).
+"old" is the first ``--rev``; further ``--rev``s, ``--variant NAME`` (the working tree with a
+kernel variant of benchmarks/variants.py applied) and ``--tree NAME=SRC`` (a patched copy of
+``src/``) are timed in the same rounds and reported as ratios to "old" beside "new" (the
+working tree).
 
 Each version runs in its own worker process (its own ``qkrope`` package: the revision's
 ``src/`` from ``git archive``, or the working tree's), so versions whose launchers take other
@@ -30,6 +33,9 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from variants import VARIANTS, write_tree  # noqa: E402
 
 WORKER = r"""
 import json, statistics, sys, torch, qkrope
@@ -97,8 +103,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--rev", required=True, action="append",
                    help="git revision of the 'old' version (repeat: more versions)")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME",
+                   help="another version: the working tree with this kernel variant "
+                        "(benchmarks/variants.py: " + ", ".join(VARIANTS) + ")")
     p.add_argument("--tree", action="append", default=[], metavar="NAME=SRC",
-                   help="another version: a src/ directory (e.g. a probe variant)")
+                   help="another version: a src/ directory (e.g. a patched copy)")
     p.add_argument("--workloads", default=",".join([*map(str, range(1, 14)), "p1", "p2", "p3"]),
                    help="suite rows 1-13 and paged rows p1-p3 (default: all)")
     p.add_argument("--iters", type=int, default=50)
@@ -108,6 +117,9 @@ def main() -> None:
                    help="head geometry of the rows, with its options (default: the suite's)")
     p.add_argument("--json", help="write every measured call here")
     args = p.parse_args()
+    for name in args.variant:
+        if name not in VARIANTS:
+            p.error(f"unknown variant {name!r}; known: {', '.join(VARIANTS)}")
 
     rows = args.workloads.split(",")
     with tempfile.TemporaryDirectory() as tmp:
@@ -115,6 +127,8 @@ def main() -> None:
         for rev in args.rev[1:]:
             versions[rev] = tree_at(rev, os.path.join(tmp, rev))
         versions["new"] = os.path.join(os.path.dirname(os.path.dirname(__file__)) or ".", "src")
+        for name in args.variant:
+            versions[name] = str(write_tree(name, os.path.join(tmp, "variants")))
         for spec in args.tree:
             name, _, src = spec.partition("=")
             versions[name] = src

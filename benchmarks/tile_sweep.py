@@ -1,18 +1,18 @@
 """Which tile shape (heads x tokens per program, warps) is fastest per workload, and what a
 patched kernel (e.g. without trig) would gain: GPU time with the SPEC §3 protocol (CUPTI, L2
 flushed before every call, median) of forced tile configs and kernel variants, the tool behind
-docs/perf-notes.md's tile tables (runs 3, 4, 6, 16) and trig probes (runs 3, 4, 7).
+docs/design.md's tile rule and libdevice trig figures.
 
     python benchmarks/tile_sweep.py                                  # default rows and tiles
     python benchmarks/tile_sweep.py --rows 2,1 --configs 1,1,1,1 2,1,1,1 --rounds 3
-    python benchmarks/tile_sweep.py --rows 3,6,8 --configs pick --variants production,trig-hw
+    python benchmarks/tile_sweep.py --rows 3,6,8 --configs pick --variants production,trig_hw
     python benchmarks/tile_sweep.py --rows 1:0:1 --check-only       # no GPU: the interpreter
     python benchmarks/tile_sweep.py --model qwen3.5-27b --rows 8:0:1 --configs pick 1,1,1,1
 
 Rows: suite numbers 1-13, paged p1-p3, or S:C:B. Each candidate (config x variant) goes through
 the production launch (``launcher.launch``, Triton's public launch) with ``pick_config``'s
 answer replaced by the candidate's tile ("pick" keeps it); variants are kernel.py with text
-substituted (benchmarks/_common.py VARIANTS), loaded as a separate module: nothing of them
+substituted (benchmarks/variants.py), loaded as a separate module: nothing of them
 lives in src/. Every candidate is first checked against the reference (query/key outputs and
 the written cache rows, SPEC §2 rule at the row's atol); probes that drop work are expected to
 fail it. Rounds alternate the candidates; per candidate the median of all its calls is
@@ -32,9 +32,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import qkrope  # noqa: E402
 from _common import (  # noqa: E402
-    VARIANTS, forced, launch_args, parse_config, parse_rows, require_cuda, row_inputs,
-    row_options, variant_kernel,
+    forced, launch_args, parse_config, parse_rows, require_cuda, row_inputs, row_options,
 )
+from variants import VARIANTS, variant_kernel  # noqa: E402
 from qkrope._interpret import interpreting  # noqa: E402
 from qkrope.ops.qknorm_rope import launcher  # noqa: E402
 from qkrope.suite import DEFAULT_MODEL, MODELS, bytes_moved, check_outputs  # noqa: E402

@@ -1,4 +1,6 @@
 import os
+import shutil
+import tempfile
 import warnings
 
 import pytest
@@ -6,6 +8,23 @@ import torch
 from filelock import FileLock
 
 import qkrope  # noqa: F401  (turns on Triton's interpreter when there is no CUDA device)
+
+
+def pytest_configure(config):
+    """The native helper the tests build (tests/test_native.py, the GPU session's wait below)
+    goes into a temporary cache for the session, never the user's ``~/.cache/qkrope``, unless
+    ``QKROPE_CACHE_DIR`` is set. Set here, in the main process, before pytest-xdist starts its
+    workers: they inherit it and share one build."""
+    if not os.environ.get("QKROPE_CACHE_DIR"):
+        config._qkrope_cache_dir = tempfile.mkdtemp(prefix="qkrope-test-cache-")
+        os.environ["QKROPE_CACHE_DIR"] = config._qkrope_cache_dir
+
+
+def pytest_unconfigure(config):
+    made = getattr(config, "_qkrope_cache_dir", None)
+    if made:
+        os.environ.pop("QKROPE_CACHE_DIR", None)
+        shutil.rmtree(made, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

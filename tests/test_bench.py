@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from qkrope.bench.runner import BenchReport, ImplResult, WorkloadResult, render_markdown, \
-    sweep_workloads, write_json, write_plot
+from qkrope.bench.report import BenchReport, ImplResult, WorkloadResult, render_markdown, \
+    write_json, write_plot
+from qkrope.bench.runner import sweep_workloads
 from qkrope.bench.timing import FLUSH_KERNEL_NAME, KernelRecord, split_calls, summarize
 from qkrope.cli import main
 from qkrope.suite import SUITE, bytes_moved

@@ -3,6 +3,7 @@ interrupts, help text, and the reduced plan a machine without CUDA checks."""
 
 import itertools
 import json
+import os
 import re
 import sys
 
@@ -49,7 +50,7 @@ def test_info_prints_key_value_lines(capsys):
     assert info["torch version"] == torch.__version__
     assert info["Triton version"] == triton.__version__
     assert info["launch route"] == qkrope.ops.launch_route()
-    assert info["native status"] == _native.status()
+    assert info["native status"] == _native.describe()["status"]
     assert info["native enabled"] == str(_native.enabled())
     if torch.cuda.is_available():
         assert info["GPU 0"].startswith(torch.cuda.get_device_name(0))
@@ -69,6 +70,28 @@ def test_info_json_and_native_description(monkeypatch, capsys):
     assert data["launch_route"] == qkrope.ops.launch_route()
     rc, out, _ = run(["info"], capsys)
     assert "native cache: /tmp/ext\n" in out and "native compiler: c++\n" in out
+
+
+def test_tests_build_the_native_helper_in_a_temporary_cache():
+    # tests/conftest.py: the session's own cache unless the user chose one.
+    root = os.environ["QKROPE_CACHE_DIR"]
+    assert str(_native.cache_path()).startswith(os.path.join(root, "native"))
+    if os.path.basename(root).startswith("qkrope-test-cache-"):
+        assert not str(_native.cache_path()).startswith(os.path.expanduser("~/.cache"))
+
+
+def test_info_native_status_agrees_with_the_cache(monkeypatch, capsys):
+    # After `qkrope build-native` (another process) the cache holds a verified file that this
+    # process has not loaded: "native not built yet" beside "native cached: True" contradicted.
+    monkeypatch.setattr(_native, "enabled", lambda: True)
+    monkeypatch.setattr(_native, "_state", _native._fresh_state())
+    monkeypatch.setattr(_native, "_verified_sha", lambda path: "f00d")
+    rc, out, _ = run(["info"], capsys)
+    assert rc == 0 and "not built yet" not in out
+    assert "native status: python (native built and cached, not loaded" in out
+    monkeypatch.setattr(_native, "_verified_sha", lambda path: None)
+    rc, out, _ = run(["info"], capsys)
+    assert "native status: python (native not built yet" in out
 
 
 @pytest.mark.parametrize("ok, rc", [(True, 0), (False, 1)])
@@ -128,7 +151,7 @@ def test_bench_list_prints_the_suite_and_implementations(capsys):
     for k, w in enumerate(SUITE, 1):
         assert re.search(rf"^\s*{k}\s+{w.seq_len}\s+{w.cache_len}\s+{w.batch}\s+{w.tokens}\s+"
                          rf"{w.atol:g}$", out, re.M)
-    for name in bench_impls.IMPLS:
+    for name in bench_impls.ALL_IMPLS:
         assert f"  {name} " in out
     assert "flashinfer" in out and "--layout paged" in out
 
@@ -148,6 +171,8 @@ def no_work(monkeypatch):
 
 
 def test_plot_without_matplotlib_fails_before_any_work(monkeypatch, capsys, no_work, tmp_path):
+    # Where a plot will be drawn (a GPU: simulated here, the run itself never starts).
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     rc, out, err = run(["bench", "--plot", str(tmp_path / "p.png")], capsys)
     assert rc == 2 and out == ""
@@ -156,10 +181,14 @@ def test_plot_without_matplotlib_fails_before_any_work(monkeypatch, capsys, no_w
 
 
 @cpu_only
-def test_plot_without_a_gpu_fails_before_any_work(capsys, no_work, tmp_path):
-    pytest.importorskip("matplotlib")
-    rc, _, err = run(["bench", "--plot", str(tmp_path / "p.png")], capsys)
-    assert rc == 2 and "timing needs a CUDA GPU" in err
+def test_plot_without_a_gpu_still_checks_and_writes_the_json(capsys, tmp_path):
+    rc, out, err = run(["bench", "--shape", "1,0,1", "--plot", str(tmp_path / "p.png"),
+                        "--json", str(tmp_path / "r.json")], capsys)
+    assert rc == 0 and "| pass |" in out
+    assert json.loads((tmp_path / "r.json").read_text())["complete"] is True
+    assert not (tmp_path / "p.png").exists()
+    flat = " ".join(err.split())  # the console wraps long lines
+    assert "p.png not written" in flat and "timing needs a CUDA GPU" in flat
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -167,6 +196,7 @@ def test_plot_without_a_gpu_fails_before_any_work(capsys, no_work, tmp_path):
     (["--impl", " , "], "--impl: no implementation named"),
     (["--shape", "1,0,1", "--sweep"], "--shape and --sweep both choose the workloads"),
     (["--json", "/no/such/folder/r.json"], "--json /no/such/folder/r.json: folder /no/such/folder"),
+    (["--plot", "/no/such/folder/p.png"], "--plot /no/such/folder/p.png: folder /no/such/folder"),
     (["--cache-len", "100", "--layout", "paged"],
      "--cache-len 100: workload 1,0,64 needs a cache of at least 1024 rows"),
     (["--cache-len", "2000", "--shape", "1,2048,4"],
@@ -193,8 +223,8 @@ def test_default_impls_name_only_what_can_run():
 # ----------------------------------------------------------------------------------------------
 # bench on CPU: subsets, interrupts, the reduced plan
 # ----------------------------------------------------------------------------------------------
-SUBSETS = [c for n in range(1, len(bench_impls.IMPLS) + 1)
-           for c in itertools.combinations(bench_impls.IMPLS, n)]
+SUBSETS = [c for n in range(1, len(bench_impls.ALL_IMPLS) + 1)
+           for c in itertools.combinations(bench_impls.ALL_IMPLS, n)]
 
 
 @cpu_only
@@ -439,3 +469,29 @@ def test_inputs_that_fail_to_allocate_say_what_and_how_to_shrink(monkeypatch, ca
     assert "use a smaller cache length (--cache-len) or workload (--shape S,C,B)" in last
     assert last.endswith(f"; partial results written to {path}")
     assert json.loads(path.read_text())["complete"] is False
+
+
+def test_e2e_cpu_path_checks_the_patched_model_and_its_graphs(tmp_path, capsys):
+    # What CI can run of `qkrope bench --e2e`: a tiny model through the interpreter, stock vs
+    # patched; the patched logits must be the stock ones bit for bit in eager mode, and the
+    # compiled decode step one graph, no break, no recompile after warm-up.
+    if torch.cuda.is_available():
+        pytest.skip("the CPU path (a GPU times the full presets)")
+    path = tmp_path / "e2e.json"
+    rc, out, err = run(["bench", "--e2e", "--batch", "2", "--modes", "eager,compile",
+                        "--phases", "decode", "--json", str(path)], capsys)
+    assert rc == 0, (out, err)
+    assert "Timing needs a CUDA GPU" in err and "| qwen3-8b | 2 | decode | compile |" in out
+    cells = {c["mode"]: c for c in json.loads(path.read_text())["cells"]}
+    assert cells["eager"]["patched_dev"] == 0.0 and cells["eager"]["correct"] is True
+    assert cells["compile"]["correct"] is True
+    assert (cells["compile"]["graphs"], cells["compile"]["graph_breaks"],
+            cells["compile"]["recompiles_after_warmup"]) == (1, 0, 0)
+    assert all(c["stock_ms"] is None and c["error"] is None for c in cells.values())
+
+
+def test_e2e_usage_errors(capsys):
+    for argv, what in ((["--model", "qwen3-coder-480b"], "--e2e --model"),
+                       (["--layout", "paged"], "do not apply")):
+        rc, _, err = run(["bench", "--e2e", *argv], capsys)
+        assert rc == 2 and what in err

@@ -6,10 +6,10 @@ import argparse
 import importlib
 import json
 import os
-import platform
 import sys
 
-from .bench.runner import NATIVE_WAIT_S, InputsTooLarge, sweep_workloads
+from .bench.e2e import MODES, PHASES, PRESETS
+from .bench.runner import NATIVE_WAIT_S, InputsTooLarge, ProgressBar, sweep_workloads
 from .suite import (
     MODELS, PAGED_SUITE, REDUCED_MAX_BATCH, REDUCED_MAX_SEQ, SUITE, Workload, reduced_geometry,
 )
@@ -101,16 +101,11 @@ def _seconds(text: str) -> float:
     return t
 
 
-E2E_MODES = ("eager", "compile", "reduce-overhead", "generate")  # qkrope.bench.e2e.MODES
-E2E_PHASES = ("decode", "prefill")
-E2E_PRESETS = ("qwen3-8b", "qwen3-32b", "qwen3.5-27b")             # qkrope.bench.e2e.PRESETS
-
-
 def _int_list(text: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"wants comma-separated positive integers, got {text!r}")
+        values = []
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"wants comma-separated positive integers, got {text!r}")
     return values
@@ -119,8 +114,7 @@ def _int_list(text: str) -> list[int]:
 def _choice_list(choices: tuple[str, ...]):
     def parse(text: str) -> list[str]:
         values = [x.strip() for x in text.split(",") if x.strip()]
-        bad = [v for v in values if v not in choices]
-        if bad or not values:
+        if not values or any(v not in choices for v in values):
             raise argparse.ArgumentTypeError(f"wants a comma-separated list of "
                                              f"{', '.join(choices)}, got {text!r}")
         return values
@@ -152,9 +146,9 @@ def _version_line() -> str:
 
 
 def _impl_help() -> str:
-    from .bench.impls import IMPLS
+    from .bench.impls import ALL_IMPLS
 
-    names = "; ".join(f"{n}: {i.description}" for n, i in IMPLS.items())
+    names = "; ".join(f"{n}: {i.description}" for n, i in ALL_IMPLS.items())
     return ("comma-separated implementations to compare (" + names + "). Default: every one "
             "that can run here (a peer whose package is missing is left out); without a CUDA "
             "GPU only qkrope, as nothing is timed there. Naming one that cannot run reports "
@@ -219,27 +213,23 @@ def build_parser() -> argparse.ArgumentParser:
                         "workload, so an interrupted run keeps its partial results)")
     b.add_argument("--plot", metavar="PATH",
                    help="write a PNG of latency vs tokens with the bandwidth floor (needs "
-                        "matplotlib and a CUDA GPU)")
+                        "matplotlib; without a CUDA GPU nothing is timed, so no plot is "
+                        "written, and the rest of the run goes ahead)")
 
     e = b.add_argument_group(
         "end to end (--e2e)",
-        "A Qwen3-family model (random weights, a few layers at a preset's real width), stock "
-        "vs patched with qkrope.integrations.transformers.patch, per batch: a decode step and "
-        "a prefill, eager, torch.compile, torch.compile(mode='reduce-overhead') and "
-        "generate(cache_implementation='static'); wall ms per step with host time, a "
-        "correctness column (patched vs stock logits on a fixed token stream, against the "
-        "stock compiled model's own drift from stock eager), graph breaks and recompiles. "
-        "--model picks one preset (default: all three); --json, --plot, --seed and "
-        "--native-wait apply. Without a CUDA GPU: a tiny model through Triton's interpreter, "
-        "correctness and graph counts only.")
+        "A Qwen3-family model (random weights, a few layers at a preset's width), stock vs "
+        "patched, decode step and prefill, in four modes; wall ms per step, host time "
+        "included, with a correctness column and graph counts (qkrope.bench.e2e). --model "
+        "picks one preset (default: all); --json, --plot, --seed, --native-wait apply.")
     e.add_argument("--e2e", action="store_true",
                    help="run the end-to-end model benchmark instead of the op suite")
     e.add_argument("--batch", type=_int_list, default=None, metavar="B,...",
                    help="batches (default 1,8,64 on a GPU, 1,2 without)")
-    e.add_argument("--modes", type=_choice_list(E2E_MODES), default=None, metavar="M,...",
-                   help=f"modes, of {','.join(E2E_MODES)} (default: all)")
-    e.add_argument("--phases", type=_choice_list(E2E_PHASES), default=None, metavar="P,...",
-                   help=f"phases, of {','.join(E2E_PHASES)} (default: both)")
+    e.add_argument("--modes", type=_choice_list(MODES), default=None, metavar="M,...",
+                   help=f"modes, of {','.join(MODES)} (default: all)")
+    e.add_argument("--phases", type=_choice_list(PHASES), default=None, metavar="P,...",
+                   help=f"phases, of {','.join(PHASES)} (default: both)")
     e.add_argument("--layers", type=_positive_int, default=4, metavar="N",
                    help="decoder layers of the model (default 4; 2 without a GPU)")
     e.add_argument("--steps", type=_positive_int, default=20, metavar="N",
@@ -274,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _bench_list() -> int:
     import torch
 
-    from .bench.impls import IMPLS, LAYOUTS
+    from .bench.impls import ALL_IMPLS, impl_layouts
 
     timed = torch.cuda.is_available()
     print(WORKLOADS_TEXT)
@@ -287,11 +277,12 @@ def _bench_list() -> int:
             print(f"{k:>3} {w.seq_len:>5} {w.cache_len:>5} {w.batch:>4} {w.tokens:>6}  "
                   f"{w.atol:g}")
     print("\nImplementations (--impl):")
-    for name, impl in IMPLS.items():
+    for name, impl in ALL_IMPLS.items():
+        # Why not on this machine (e.g. a missing package), asked of a layout that has it.
         why = impl.unavailable()
         if why is None and not timed and name != "qkrope":
             why = "checked and timed only on a CUDA GPU"
-        layouts = "/".join(k for k, lay in LAYOUTS.items() if name in lay.impls)
+        layouts = "/".join(impl_layouts(name))
         state = "runs here" if why is None else f"not here: {why}"
         print(f"  {name:<14} {impl.description} [{layouts}; {state}]")
     return 0
@@ -306,35 +297,39 @@ def _workloads(args) -> list[Workload]:
     return list(PAGED_SUITE if args.layout == "paged" else SUITE)
 
 
-def _check_requests(args, timed: bool, workloads: list[Workload]) -> list[str]:
-    """Everything a request needs that can be known before any work; returns the impl list."""
-    from .bench.impls import IMPLS, default_impls
-
-    if args.impl is None:
-        impls = default_impls(args.layout, timed)
-    else:
-        impls = [s.strip() for s in args.impl.split(",") if s.strip()]
-        unknown = [n for n in impls if n not in IMPLS]
-        if unknown:
-            raise UsageError(f"--impl: unknown implementation {', '.join(map(repr, unknown))}; "
-                             f"choose from {', '.join(IMPLS)}")
-        if not impls:
-            raise UsageError("--impl: no implementation named")
-    if args.plot:
-        try:
-            importlib.import_module("matplotlib")
-        except ImportError:
-            raise UsageError("--plot needs matplotlib: pip install 'qkrope[plot]' (or drop "
-                             "--plot)") from None
-        if not timed:
-            raise UsageError("--plot draws timings, and timing needs a CUDA GPU; this machine "
-                             "has none (drop --plot)")
+def _check_paths(args) -> None:
+    """--json and --plot name files whose folder exists (checked before any work)."""
     for opt, path in (("--json", args.json), ("--plot", args.plot)):
         folder = os.path.dirname(os.path.abspath(path)) if path else None
         if folder and not os.path.isdir(folder):
             raise UsageError(f"{opt} {path}: folder {folder} does not exist")
         if path and os.path.isdir(path):
             raise UsageError(f"{opt} {path}: is a folder; give a file name")
+
+
+def _check_requests(args, timed: bool, workloads: list[Workload]) -> list[str]:
+    """Everything a request needs that can be known before any work; returns the impl list."""
+    from .bench.impls import ALL_IMPLS, default_impls
+
+    if args.impl is None:
+        impls = default_impls(args.layout, timed)
+    else:
+        impls = [s.strip() for s in args.impl.split(",") if s.strip()]
+        unknown = [n for n in impls if n not in ALL_IMPLS]
+        if unknown:
+            raise UsageError(f"--impl: unknown implementation {', '.join(map(repr, unknown))}; "
+                             f"choose from {', '.join(ALL_IMPLS)}")
+        if not impls:
+            raise UsageError("--impl: no implementation named")
+    _check_paths(args)
+    # Without a GPU nothing is timed, so nothing is plotted: the run (and --json) goes ahead and
+    # says so at the end; matplotlib is only needed where a plot will be drawn.
+    if args.plot and timed:
+        try:
+            importlib.import_module("matplotlib")
+        except ImportError:
+            raise UsageError("--plot needs matplotlib: pip install 'qkrope[plot]' (or drop "
+                             "--plot)") from None
     if args.cache_len is not None:
         from .suite import cache_rows_needed
 
@@ -364,102 +359,25 @@ def _check_memory(args, plan, cache_len: int | None, timed: bool) -> None:
                              f"{'GPU memory' if timed else 'memory'}: use {how}")
 
 
-class _ProgressBar:
-    """A rich progress bar: workloads done of all, elapsed time and an estimate of the time
-    left (the work of each workload is weighted by its size, so the estimate holds when a
-    4096-token prefill follows a run of decode steps)."""
-
-    def __init__(self, console):
-        from rich.progress import (
-            BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn,
-        )
-
-        self._bar = Progress(SpinnerColumn(), BarColumn(bar_width=24),
-                             TextColumn("{task.fields[n]}/{task.fields[count]}"),
-                             TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-                             TextColumn("{task.description}"), console=console)
-        self._task = self._bar.add_task("starting", total=None, n=0, count="?")
-        self._n = 0
-
-    def __enter__(self):
-        self._bar.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self._bar.__exit__(*exc)
-
-    def start(self, total: float, count: int) -> None:
-        self._bar.update(self._task, total=total, count=count)
-
-    def status(self, text: str) -> None:
-        self._bar.update(self._task, description=text)
-
-    def done(self, amount: float) -> None:
-        self._n += 1
-        self._bar.update(self._task, advance=amount, n=self._n)
-
-
 def _bench_e2e(args) -> int:
     import torch
     from rich.console import Console
 
-    from .bench.e2e import (render_e2e_markdown, run_e2e, write_e2e_json, write_e2e_plot)
+    from .bench.e2e import run_command
 
-    err = Console(stderr=True)
-    timed = torch.cuda.is_available()
-    if args.model is not None and args.model not in E2E_PRESETS:
-        raise UsageError(f"--e2e --model: one of {', '.join(E2E_PRESETS)}, got {args.model!r}")
+    if args.model is not None and args.model not in PRESETS:
+        raise UsageError(f"--e2e --model: one of {', '.join(PRESETS)}, got {args.model!r}")
     if args.shape or args.sweep or args.layout != "bhsd" or args.impl:
         raise UsageError("--e2e runs whole models: --shape, --sweep, --layout and --impl do "
                          "not apply")
-    for opt, path in (("--json", args.json), ("--plot", args.plot)):
-        folder = os.path.dirname(os.path.abspath(path)) if path else None
-        if folder and not os.path.isdir(folder):
-            raise UsageError(f"{opt} {path}: folder {folder} does not exist")
-        if path and os.path.isdir(path):
-            raise UsageError(f"{opt} {path}: is a folder; give a file name")
-    if args.plot:
+    _check_paths(args)
+    if args.plot and torch.cuda.is_available():
         try:
             importlib.import_module("matplotlib")
         except ImportError:
             raise UsageError("--plot needs matplotlib: pip install 'qkrope[plot]'") from None
-    presets = [args.model] if args.model else list(E2E_PRESETS)
-    if not timed:
-        presets = presets[:1]
-        err.print("No CUDA device: a tiny model of the first preset's family through Triton's "
-                  "interpreter (correctness, graph breaks, recompiles). Timing needs a CUDA "
-                  "GPU.", highlight=False, markup=False)
-    else:
-        from .ops import _native
-
-        if _native.enabled() and args.native_wait > 0:
-            _native.load(timeout=args.native_wait)   # time the launch route users get
-        err.print(f"launch route: {_native.status()}", highlight=False, markup=False)
-
-    def keep(report) -> None:
-        if args.json:
-            write_e2e_json(report, args.json)
-
-    with _ProgressBar(err) as bar:
-        report = run_e2e(presets, args.batch or ([1, 8, 64] if timed else [1, 2]),
-                         args.modes or list(E2E_MODES), args.phases or list(E2E_PHASES),
-                         layers=args.layers if timed or args.layers != 4 else 2,
-                         steps=args.steps if timed or args.steps != 20 else 3,
-                         warmup=5 if timed else 2,
-                         prefill_len=args.prefill_len if timed or args.prefill_len != 512
-                         else 24, seed=args.seed, progress=bar, on_update=keep)
-    keep(report)
-    print(render_e2e_markdown(report))
-    if args.plot:
-        if timed:
-            write_e2e_plot(report, args.plot)
-            err.print(f"wrote {args.plot}", highlight=False, markup=False)
-        else:
-            err.print(f"--plot {args.plot}: nothing timed without a CUDA GPU, no plot written",
-                      highlight=False, markup=False)
-    if args.json:
-        err.print(f"wrote {args.json}", highlight=False, markup=False)
-    return 1 if any(c.error or c.correct is False for c in report.cells) else 0
+    err = Console(stderr=True)
+    return run_command(args, err, ProgressBar(err))
 
 
 def _bench(args) -> int:
@@ -467,8 +385,7 @@ def _bench(args) -> int:
         return _bench_list()
     if args.e2e:
         return _bench_e2e(args)
-    if args.model is None:
-        args.model = "qwen3-coder-480b"
+    args.model = args.model or "qwen3-coder-480b"
     import torch
     from rich.console import Console
 
@@ -500,7 +417,7 @@ def _bench(args) -> int:
             written[:] = [args.json]
 
     try:
-        with _ProgressBar(err) as bar:
+        with ProgressBar(err) as bar:
             report = run_benchmark(
                 workloads, geometry, impls, iters=args.iters, warmup=args.warmup,
                 host_calls=args.host_calls, graphs=not args.no_graph,
@@ -520,11 +437,14 @@ def _bench(args) -> int:
     print(render_markdown(report))
     if args.json:
         err.print(f"wrote {args.json}", highlight=False, markup=False)
-    if args.plot:
+    if args.plot and report.timed:
         from .bench import write_plot
 
         write_plot(report, args.plot)
         err.print(f"wrote {args.plot}", highlight=False, markup=False)
+    elif args.plot:
+        err.print(f"--plot: {args.plot} not written: it draws timings, and timing needs a CUDA "
+                  "GPU", highlight=False, markup=False)
     # A wrong qkrope result fails the command; a failing peer is only reported.
     ours = [w.impls["qkrope"] for w in report.workloads if "qkrope" in w.impls]
     return 1 if any(r.correct is False or r.error for r in ours) else 0
@@ -533,56 +453,9 @@ def _bench(args) -> int:
 # ----------------------------------------------------------------------------------------------
 # info, build-native
 # ----------------------------------------------------------------------------------------------
-def collect_info() -> dict:
-    """What ``qkrope info`` prints: versions, GPUs, interpreter state, launch route."""
-    import torch
-    import triton
-
-    from . import __version__
-    from ._interpret import interpreting
-    from .ops import _native, launch_route
-
-    info = {
-        "qkrope": __version__,
-        "python": f"{platform.python_version()} ({sys.executable})",
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "torch_cuda": torch.version.cuda or "none (a CPU-only torch build)",
-        "cuda_available": torch.cuda.is_available(),
-    }
-    gpus = []
-    if torch.cuda.is_available():
-        for k in range(torch.cuda.device_count()):
-            p = torch.cuda.get_device_properties(k)
-            gpus.append(f"{p.name} (capability {p.major}.{p.minor}, "
-                        f"{p.multi_processor_count} SMs, {p.total_memory / 2**30:.0f} GiB)")
-        from .bench.runner import _driver_version
-
-        info["driver"] = _driver_version() or "unknown (nvidia-smi did not answer)"
-    info["gpus"] = gpus
-    env_value = os.environ.get("TRITON_INTERPRET")
-    info["triton_interpreter"] = (
-        f"on (TRITON_INTERPRET={env_value}"
-        + ("; qkrope turns it on when no CUDA device is visible)" if not torch.cuda.is_available()
-           else ")")
-        if interpreting() else f"off (TRITON_INTERPRET={env_value or 'unset'})")
-    info["launch_route"] = launch_route()
-    try:
-        info["native"] = _native.describe()
-    except Exception as e:  # info must print even where the description fails
-        info["native"] = {"status": _native.status(), "error": f"{type(e).__name__}: {e}"}
-    return info
-
-
-_INFO_LABELS = {
-    "qkrope": "qkrope version", "python": "Python version", "torch": "torch version",
-    "triton": "Triton version", "torch_cuda": "CUDA used to build torch",
-    "cuda_available": "CUDA available", "driver": "GPU driver", "gpus": "GPU",
-    "triton_interpreter": "Triton interpreter", "launch_route": "launch route",
-}
-
-
 def _info(args) -> int:
+    from .bench.env import INFO_LABELS, collect_info
+
     info = collect_info()
     if args.json:
         print(json.dumps(info, indent=1, default=str))
@@ -590,14 +463,14 @@ def _info(args) -> int:
     for key, value in info.items():
         if key == "gpus":
             if not value:
-                print(f"{_INFO_LABELS[key]}: none")
+                print(f"{INFO_LABELS[key]}: none")
             for k, gpu in enumerate(value):
-                print(f"{_INFO_LABELS[key]} {k}: {gpu}")
+                print(f"{INFO_LABELS[key]} {k}: {gpu}")
         elif isinstance(value, dict):
             for sub, v in value.items():
                 print(f"{key} {sub}: {v}")
         else:
-            print(f"{_INFO_LABELS.get(key, key)}: {value}")
+            print(f"{INFO_LABELS.get(key, key)}: {value}")
     return 0
 
 

@@ -52,7 +52,7 @@ SUITE: tuple[Workload, ...] = (
 )
 
 
-#: Serving-layout workloads (issue 6): decode batches of 64 and 256 sequences at mixed positions
+#: Serving-layout workloads: decode batches of 64 and 256 sequences at mixed positions
 #: (S=1, B sequences) and a 4096-token prefill, token-major with a paged NHD cache.
 PAGED_SUITE: tuple[Workload, ...] = (
     Workload(1, 0, 64, 1e-5),

@@ -14,7 +14,7 @@ same way does (within twice that plus one bf16 ulp; eager: bit for bit). For ``g
 first compiled step's logits are compared the same way.
 
 Also the op's host time inside a compiled graph beside its eager fast path's and a trivial
-op's, measured in the same process (``op_host_times``).
+op's, measured in the same process (``timing.op_host_times``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 __all__ = ["PRESETS", "MODES", "PHASES", "E2EReport", "run_e2e", "render_e2e_markdown",
-           "write_e2e_json", "write_e2e_plot", "op_host_times"]
+           "write_e2e_json", "write_e2e_plot", "run_command"]
 
 VOCAB = 32000  # every preset: the lm_head is a constant of both models, kept small
 #: Attention and MLP widths of the presets (their linear-attention layers are left out: the
@@ -315,6 +315,8 @@ def run_e2e(presets: Sequence[str], batches: Sequence[int], modes: Sequence[str]
         if progress is not None:
             progress.done(1)
     if timed:
+        from .timing import op_host_times
+
         report.op_host_us = op_host_times()
     return report
 
@@ -323,69 +325,6 @@ def _environment(env: dict) -> dict:
     import transformers
 
     return {**env, "transformers": transformers.__version__}
-
-
-_TRIVIAL = []
-
-
-def _trivial_op() -> Callable:
-    """A registered op that only adds one to a tensor, defined the way qkrope's ops are: the
-    floor of a registered op's host time inside a compiled graph."""
-    if not _TRIVIAL:
-        from ..ops._custom_op import custom_op
-
-        def host_floor(x: torch.Tensor) -> None:
-            x.add_(1)
-
-        _TRIVIAL.append(custom_op("host_floor", host_floor, mutates_args=("x",)))
-    return _TRIVIAL[0]
-
-
-def op_host_times(calls: int = 1000) -> dict:
-    """Host µs per call (the best of 5 batches of ``calls / 5`` back-to-back calls) of the op
-    through its eager fast path, and of one call of the op inside a compiled graph beside one
-    of a trivial registered op (``_trivial_op``) there: a graph's own entry cost is shared by
-    every op in it, so an op's cost there is the slope between a graph of 1 and of 5 calls.
-    Decode #1 shapes, outputs given; ``x.add_(1)`` eager for scale."""
-    from .. import run
-    from ..suite import SUITE, make_inputs
-
-    a = make_inputs(SUITE[0], device="cuda", cache_capacity=64)
-    q_out, k_out = torch.empty_like(a[0]), torch.empty_like(a[1])
-    x = torch.zeros(1, device="cuda")
-    trivial = _trivial_op()
-
-    def op():
-        run(*a, query_out=q_out, key_out=k_out)
-
-    def repeated(fn, k):
-        def body():
-            for _ in range(k):
-                fn()
-        return torch.compile(body, fullgraph=True)
-
-    def per_call(fn):
-        for _ in range(50):
-            fn()
-        torch.cuda.synchronize()
-        best = float("inf")
-        for _ in range(5):
-            t0 = time.perf_counter()
-            for _ in range(calls // 5):
-                fn()
-            best = min(best, (time.perf_counter() - t0) / (calls // 5))
-            torch.cuda.synchronize()
-        return best * 1e6
-
-    with torch.no_grad():
-        out = {"eager fast path": per_call(op), "x.add_(1) eager": per_call(lambda: x.add_(1))}
-        for name, fn in (("compiled graph", op), ("trivial op, compiled graph",
-                                                   lambda: trivial(x))):
-            one, five = per_call(repeated(fn, 1)), per_call(repeated(fn, 5))
-            out[f"{name}, 1 call"] = one
-            out[f"{name}, per call"] = (five - one) / 4
-    torch._dynamo.reset()
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -465,3 +404,46 @@ def write_e2e_plot(report: E2EReport, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def run_command(args, console, progress) -> int:
+    """``qkrope bench --e2e`` once its arguments are checked (``cli.py``): runs, prints the
+    table, writes ``--json``/``--plot``; exit status 1 when a cell fails or errs."""
+    timed = torch.cuda.is_available()
+    presets = [args.model] if args.model else list(PRESETS)
+    if not timed:
+        presets = presets[:1]
+        console.print("No CUDA device: a tiny model of the first preset's family through "
+                      "Triton's interpreter (correctness, graph breaks, recompiles). Timing "
+                      "needs a CUDA GPU.", highlight=False, markup=False)
+    else:
+        from ..ops import _native
+
+        if _native.enabled() and args.native_wait > 0:
+            _native.load(timeout=args.native_wait)  # time the launch route users get
+        console.print(f"launch route: {_native.status()}", highlight=False, markup=False)
+
+    def keep(report) -> None:
+        if args.json:
+            write_e2e_json(report, args.json)
+
+    with progress:
+        report = run_e2e(presets, args.batch or ([1, 8, 64] if timed else [1, 2]),
+                         args.modes or list(MODES), args.phases or list(PHASES),
+                         layers=args.layers if timed or args.layers != 4 else 2,
+                         steps=args.steps if timed or args.steps != 20 else 3,
+                         warmup=5 if timed else 2,
+                         prefill_len=args.prefill_len if timed or args.prefill_len != 512
+                         else 24, seed=args.seed, progress=progress, on_update=keep)
+    keep(report)
+    print(render_e2e_markdown(report))
+    if args.plot:
+        if timed:
+            write_e2e_plot(report, args.plot)
+            console.print(f"wrote {args.plot}", highlight=False, markup=False)
+        else:
+            console.print(f"--plot {args.plot}: nothing timed without a CUDA GPU, no plot "
+                          "written", highlight=False, markup=False)
+    if args.json:
+        console.print(f"wrote {args.json}", highlight=False, markup=False)
+    return 1 if any(c.error or c.correct is False for c in report.cells) else 0

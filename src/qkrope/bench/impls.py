@@ -19,8 +19,8 @@ from ..ops.qknorm_rope import fused_qk_norm_rope_paged, fused_rope_with_qk_norm_
 from ..ops.qknorm_rope.reference import qknorm_rope_cache_ref, qknorm_rope_paged_ref
 from ..suite import make_inputs, make_paged_inputs
 
-__all__ = ["Impl", "IMPLS", "PAGED_IMPLS", "Layout", "LAYOUTS", "resolve_impls",
-           "default_impls", "peer_unavailable", "with_fresh_caches"]
+__all__ = ["Impl", "IMPLS", "PAGED_IMPLS", "ALL_IMPLS", "Layout", "LAYOUTS", "resolve_impls",
+           "default_impls", "impl_layouts", "peer_unavailable", "with_fresh_caches"]
 
 OpFn = Callable[..., tuple]
 
@@ -36,6 +36,8 @@ class Impl:
     takes_options: bool = True
     # In the list a run compares when none is named (a peer for one geometry only is not).
     default: bool = True
+    # Why a run of another layout cannot have it (None: "no <layout> adapter").
+    elsewhere: str | None = None
 
 
 def _eager_reference() -> OpFn:
@@ -86,16 +88,6 @@ def _liger() -> OpFn:
     return run
 
 
-def _flashinfer_bhsd_unavailable() -> str:
-    # Selectable by name so a run says where the peer is; never in the default list.
-    return ("FlashInfer's fused op is token-major with a paged cache: --layout paged "
-            "(its heads: --model qwen3-32b)")
-
-
-def _flashinfer_bhsd() -> OpFn:
-    raise ImportError(_flashinfer_bhsd_unavailable())
-
-
 IMPLS: dict[str, Impl] = {
     i.name: i
     for i in (
@@ -106,8 +98,6 @@ IMPLS: dict[str, Impl] = {
         Impl("eager", "eager PyTorch reference, in place", _eager_reference),
         Impl("liger", "Liger-Kernel RMSNorm + RoPE + index_copy_", _liger, _liger_unavailable,
              takes_options=False),
-        Impl("flashinfer", "FlashInfer's fused op (paged layout only: skipped here, with the "
-             "reason)", _flashinfer_bhsd, _flashinfer_bhsd_unavailable, default=False),
     )
 }
 
@@ -141,9 +131,15 @@ PAGED_IMPLS: dict[str, Impl] = {
              _paged_unfused),
         Impl("flashinfer", "FlashInfer's fused QK RMSNorm + RoPE + paged K/V append (64/8 or "
              "8/1 heads of 128; rotated K checked through the cache)", flashinfer.build,
-             flashinfer.unavailable, takes_options=False, default=False),
+             flashinfer.unavailable, takes_options=False, default=False,
+             elsewhere="FlashInfer's fused op is token-major with a paged cache: --layout paged "
+                       "(its heads: --model qwen3-32b)"),
     )
 }
+
+#: Every implementation by name, whichever layouts have it: the names ``--impl`` takes and
+#: ``--list`` shows (a peer of one layout only is named in the other with the reason).
+ALL_IMPLS: dict[str, Impl] = {**IMPLS, **{n: i for n, i in PAGED_IMPLS.items() if n not in IMPLS}}
 
 
 @dataclass(frozen=True)
@@ -184,8 +180,17 @@ def default_impls(layout: str = "bhsd", timed: bool = True) -> list[str]:
 
 
 def _known(name: str) -> None:
-    if name not in IMPLS:
-        raise ValueError(f"unknown implementation {name!r}; choose from {', '.join(IMPLS)}")
+    if name not in ALL_IMPLS:
+        raise ValueError(f"unknown implementation {name!r}; choose from {', '.join(ALL_IMPLS)}")
+
+
+def _no_adapter(name: str, layout: str) -> str:
+    return ALL_IMPLS[name].elsewhere or f"no {layout} adapter"
+
+
+def impl_layouts(name: str) -> list[str]:
+    """The layouts that have an adapter for ``name``."""
+    return [k for k, lay in LAYOUTS.items() if name in lay.impls]
 
 
 def peer_unavailable(name: str, layout: str = "bhsd") -> str | None:
@@ -193,7 +198,7 @@ def peer_unavailable(name: str, layout: str = "bhsd") -> str | None:
     it can."""
     _known(name)
     impl = LAYOUTS[layout].impls.get(name)
-    return f"no {layout} adapter" if impl is None else impl.unavailable()
+    return _no_adapter(name, layout) if impl is None else impl.unavailable()
 
 
 def resolve_impls(names: list[str], layout: str = "bhsd", options: dict | None = None
@@ -205,7 +210,7 @@ def resolve_impls(names: list[str], layout: str = "bhsd", options: dict | None =
     for name in names:
         _known(name)
         if name not in registry:
-            skipped[name] = f"no {layout} adapter"
+            skipped[name] = _no_adapter(name, layout)
             continue
         if options and not registry[name].takes_options:
             skipped[name] = f"does not support {', '.join(sorted(options))}"

@@ -251,3 +251,66 @@ def same_bytes_copies(nbytes: int, device: torch.device | str = "cuda"
         "triton copy": lambda: qkrope_copy_kernel[grid](src, dst, n, BLOCK=COPY_BLOCK,
                                                         num_warps=4),
     }
+
+
+_TRIVIAL = []
+
+
+def _trivial_op() -> Callable:
+    """A registered op that only adds one to a tensor, defined the way qkrope's ops are: the
+    floor of a registered op's host time inside a compiled graph."""
+    if not _TRIVIAL:
+        from ..ops._custom_op import custom_op
+
+        def host_floor(x: torch.Tensor) -> None:
+            x.add_(1)
+
+        _TRIVIAL.append(custom_op("host_floor", host_floor, mutates_args=("x",)))
+    return _TRIVIAL[0]
+
+
+def op_host_times(calls: int = 1000) -> dict:
+    """Host µs per call (the best of 5 batches of ``calls / 5`` back-to-back calls) of the op
+    through its eager fast path, and of one call of the op inside a compiled graph beside one
+    of a trivial registered op (``_trivial_op``) there: a graph's own entry cost is shared by
+    every op in it, so an op's cost there is the slope between a graph of 1 and of 5 calls.
+    Decode #1 shapes, outputs given; ``x.add_(1)`` eager for scale."""
+    from .. import run
+    from ..suite import SUITE, make_inputs
+
+    a = make_inputs(SUITE[0], device="cuda", cache_capacity=64)
+    q_out, k_out = torch.empty_like(a[0]), torch.empty_like(a[1])
+    x = torch.zeros(1, device="cuda")
+    trivial = _trivial_op()
+
+    def op():
+        run(*a, query_out=q_out, key_out=k_out)
+
+    def repeated(fn, k):
+        def body():
+            for _ in range(k):
+                fn()
+        return torch.compile(body, fullgraph=True)
+
+    def per_call(fn):
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize()
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(calls // 5):
+                fn()
+            best = min(best, (time.perf_counter() - t0) / (calls // 5))
+            torch.cuda.synchronize()
+        return best * 1e6
+
+    with torch.no_grad():
+        out = {"eager fast path": per_call(op), "x.add_(1) eager": per_call(lambda: x.add_(1))}
+        for name, fn in (("compiled graph", op), ("trivial op, compiled graph",
+                                                   lambda: trivial(x))):
+            one, five = per_call(repeated(fn, 1)), per_call(repeated(fn, 5))
+            out[f"{name}, 1 call"] = one
+            out[f"{name}, per call"] = (five - one) / 4
+    torch._dynamo.reset()
+    return out

@@ -213,6 +213,9 @@ def status() -> str:
         return f"python (native build in progress since {since:.0f} s; log: {_state['log']})"
     if _state["error"] is not None:
         return f"python (native build failed: {_state['error']})"
+    if _verified_sha(cache_path()) is not None:  # built by another process (build-native)
+        return ("python (native built and cached, not loaded in this process: it loads at "
+                "the first GPU launch)")
     return "python (native not built yet: it starts with the first GPU launch)"
 
 

@@ -1,6 +1,7 @@
-"""The kernel variants of benchmarks/probe_trees.py still apply to the kernel, and the exact
-candidate among them (``partial_rotary_freqs``) still matches the reference, so the device step
-that measures them (benchmarks/device_session.sh) never times a stale or wrong tree."""
+"""The kernel variants of benchmarks/variants.py (the one variant mechanism of kernel_ab.py,
+tile_sweep.py and compile_sm90.py) still apply to the kernel, and the exact candidate among
+them (``partial_rotary_freqs``) still matches the reference, so the device steps that measure
+them (benchmarks/device_session.sh) never time a stale or wrong tree."""
 
 from __future__ import annotations
 
@@ -14,17 +15,16 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("probe_trees",
-                                               ROOT / "benchmarks" / "probe_trees.py")
-probe_trees = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(probe_trees)
+_spec = importlib.util.spec_from_file_location("variants", ROOT / "benchmarks" / "variants.py")
+variants = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(variants)
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
                                 reason="CPU check; on a GPU the step partial-freqs runs the tests")
 
 
 def make_trees(dest: Path, *names: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "probe_trees.py"), str(dest),
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "variants.py"), str(dest),
                            *names], capture_output=True, text=True, timeout=120)
 
 
@@ -32,10 +32,10 @@ def test_every_variant_applies_to_the_kernel(tmp_path):
     out = make_trees(tmp_path)
     assert out.returncode == 0, out.stderr
     made = sorted(p.parent.name for p in tmp_path.glob("*/src"))
-    assert made == sorted(probe_trees.VARIANTS) and "partial_rotary_freqs" in made
-    original = (ROOT / "src" / probe_trees.KERNEL).read_text()
+    assert made == sorted(variants.VARIANTS) and "partial_rotary_freqs" in made
+    original = (ROOT / "src" / variants.KERNEL).read_text()
     for name in made:
-        assert (tmp_path / name / "src" / probe_trees.KERNEL).read_text() != original, name
+        assert (tmp_path / name / "src" / variants.KERNEL).read_text() != original, name
 
 
 def test_an_unknown_variant_is_refused(tmp_path):

@@ -1,0 +1,171 @@
+"""Kernel variants: the production kernel.py with a checked text substitution each, the one
+variant mechanism of the benchmark scripts (experiments stay out of ``src/``).
+
+A variant is used two ways:
+
+- as a whole patched copy of ``src/`` (:func:`write_tree`), for ``kernel_ab.py --variant NAME``
+  (timed in its own worker process against a git revision) or to run the tests on it;
+- as a kernel imported from a patched copy of kernel.py (:func:`variant_kernel`), for
+  ``tile_sweep.py --variants`` and ``compile_sm90.py --variant`` (in-process, forced tiles).
+
+Every text to replace must occur exactly once (``every``: at least once), so a kernel change
+breaks a variant loudly instead of silently timing the production kernel
+(tests/test_variants.py). Variants that were adopted or refuted (rstd_first, two_q_heads,
+trig_first_single_row; the eviction hints of docs/design.md §Tile rule) are in git history
+(commit bdd73a8). What each variant measured: docs/design.md.
+
+    python benchmarks/variants.py /tmp/v [NAME ...]     # writes /tmp/v/<name>/src, prints it
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import pathlib
+import shutil
+import sys
+import tempfile
+from typing import NamedTuple
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+KERNEL = "qkrope/ops/qknorm_rope/kernel.py"
+
+
+class Edit(NamedTuple):
+    path: str           # relative to src/
+    old: str
+    new: str
+    every: bool = False  # replace every occurrence (at least one) instead of exactly one
+
+
+# The op's memory skeleton: every row load and store, the slot load and the cache addressing,
+# but no norm, no rotation and no trig (weights and positions become dead loads). A floor for
+# any kernel of this structure (docs/design.md §Load and trig order).
+_SKELETON = Edit(KERNEL, '''    if not GPTJ and ROT == D:  # full NeoX rotary: one cos/sin per frequency, shared by halves
+''', '''    SKELETON: tl.constexpr = True
+    if SKELETON:
+        lo = x_lo.to(DT)
+        hi = x_hi.to(DT)
+    elif not GPTJ and ROT == D:
+''')
+
+_NO_TRIG = [Edit(KERNEL, "cos = libdevice.cos(angle)", "cos = angle * 0.0 + 1.0"),
+            Edit(KERNEL, "sin = libdevice.sin(angle)", "sin = angle * 0.0")]
+
+_TRIG_HW = [Edit(KERNEL, "cos = libdevice.cos(angle)", "cos = libdevice.fast_cosf(angle)"),
+            Edit(KERNEL, "sin = libdevice.sin(angle)", "sin = libdevice.fast_sinf(angle)")]
+
+# Partial NeoX rotary (Qwen3.5: 64 of 256 dims), the low half: NeoX's frequency of dim d is
+# d % (ROT / 2), so cos/sin of the ROT / 2 distinct frequencies (32, not 128) tiled over the
+# half give the same values (exact: tests/test_variants.py). Open lead: docs/perf-notes.md.
+_PARTIAL_ROTARY_FREQS = Edit(KERNEL, '''    angle = _angles(pos_ptr, pos_off, t_mask, freq, inv_freq_ptr, stride_inv_freq, stride_pos_r,
+                    MROPE, SEC_T, SEC_H, SEC_W, WIDE)
+    cos, sin = _cos_sin(angle[None, :, :], DT, COS_SIN_SCALE, INTERPRETER)
+''', '''    R2: tl.constexpr = ROT // 2
+    BT: tl.constexpr = x.shape[1]
+    N: tl.constexpr = x.shape[2]
+    # Only ever true for the low half (d = arange(N)): the high half is rotated only when
+    # GPT-J or ROT > N.
+    PERIODIC: tl.constexpr = (not GPTJ) and ROT <= N and N % R2 == 0 and (R2 & (R2 - 1)) == 0
+    if PERIODIC:
+        angle = _angles(pos_ptr, pos_off, t_mask, tl.arange(0, R2), inv_freq_ptr,
+                        stride_inv_freq, stride_pos_r, MROPE, SEC_T, SEC_H, SEC_W, WIDE)
+        cos, sin = _cos_sin(angle, DT, COS_SIN_SCALE, INTERPRETER)
+        cos = tl.reshape(tl.broadcast_to(cos[:, None, :], (BT, N // R2, R2)), (BT, N))[None]
+        sin = tl.reshape(tl.broadcast_to(sin[:, None, :], (BT, N // R2, R2)), (BT, N))[None]
+    else:
+        angle = _angles(pos_ptr, pos_off, t_mask, freq, inv_freq_ptr, stride_inv_freq,
+                        stride_pos_r, MROPE, SEC_T, SEC_H, SEC_W, WIDE)
+        cos, sin = _cos_sin(angle[None, :, :], DT, COS_SIN_SCALE, INTERPRETER)
+''')
+
+#: name -> (what it probes, edits).
+VARIANTS: dict[str, tuple[str, list[Edit]]] = {
+    "skeleton": ("loads and stores only, no norm, rotation or trig: a lower bound for this "
+                 "structure (wrong results by design)", [_SKELETON]),
+    "no_trig": ("cos = 1, sin = 0, still computed from the loaded positions: what the trig "
+                "costs (wrong results by design)", _NO_TRIG),
+    "trig_hw": ("libdevice's fast_cosf/fast_sinf (MUFU approximations) instead of the accurate "
+                "cos/sin: cost probe, wrong at large angles", _TRIG_HW),
+    "int32_addressing": ("every int64 conversion made int32: what int64 offsets cost (wrong "
+                         "past 2**31 elements by design)",
+                         [Edit(KERNEL, ".to(tl.int64)", ".to(tl.int32)", every=True)]),
+    "partial_rotary_freqs": ("partial NeoX rotary: cos/sin on the ROT / 2 distinct frequencies "
+                             "(exact; a candidate)", [_PARTIAL_ROTARY_FREQS]),
+}
+
+
+def _known(name: str) -> None:
+    if name not in VARIANTS:
+        raise ValueError(f"unknown variant {name!r}; this kernel has {', '.join(VARIANTS)} "
+                         "(older ones: see benchmarks/variants.py's docstring)")
+
+
+def patched(name: str, src: pathlib.Path = ROOT / "src") -> dict[str, str]:
+    """``{path relative to src: patched text}`` of variant ``name``; raises RuntimeError where
+    a text to replace is not there (exactly once, or at all for ``every``)."""
+    _known(name)
+    out: dict[str, str] = {}
+    for e in VARIANTS[name][1]:
+        text = out.get(e.path) or (src / e.path).read_text()
+        n = text.count(e.old)
+        if n < 1 or (not e.every and n != 1):
+            raise RuntimeError(f"variant {name!r}: {e.old[:60]!r} occurs {n} times in {e.path} "
+                               f"(want {'at least ' if e.every else ''}1): update VARIANTS")
+        out[e.path] = text.replace(e.old, e.new)
+    return out
+
+
+def write_tree(name: str, dest: pathlib.Path | str) -> pathlib.Path:
+    """A copy of ``src/`` at ``dest/name/src`` with variant ``name`` applied; returns it."""
+    files = patched(name)
+    tree = pathlib.Path(dest) / name / "src"
+    shutil.rmtree(tree, ignore_errors=True)
+    shutil.copytree(ROOT / "src", tree, ignore=shutil.ignore_patterns("__pycache__"))
+    for rel, text in files.items():
+        (tree / rel).write_text(text)
+    return tree
+
+
+def variant_kernel(name: str | None):
+    """The production ``qknorm_rope_kernel`` (``name`` None or "production"), or the kernel of
+    a fresh copy of kernel.py with variant ``name`` applied (kernel-only variants). The copy is
+    imported from a file, not exec'd from a string: @triton.jit reads its source with
+    ``inspect``."""
+    from qkrope.ops.qknorm_rope import kernel as production
+
+    if name in (None, "production"):
+        return production.qknorm_rope_kernel
+    files = patched(name, pathlib.Path(production.__file__).resolve().parents[3])
+    if set(files) != {KERNEL}:
+        raise ValueError(f"variant {name!r} patches {', '.join(files)}: use write_tree")
+    src = files[KERNEL]
+    module_name = f"qkrope_kernel_{name}_{hashlib.sha1(src.encode()).hexdigest()[:10]}"
+    if module_name in sys.modules:
+        return sys.modules[module_name].qknorm_rope_kernel
+    path = pathlib.Path(tempfile.gettempdir()) / "qkrope-kernel-variants" / f"{module_name}.py"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    return module.qknorm_rope_kernel
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        sys.exit("usage: python benchmarks/variants.py DEST [NAME ...]")
+    names = argv[1:] or list(VARIANTS)
+    try:
+        for name in names:
+            _known(name)
+        for name in names:
+            print(write_tree(name, argv[0]))
+    except (ValueError, RuntimeError) as e:
+        sys.exit(str(e))
+
+
+if __name__ == "__main__":
+    main()
