@@ -10,7 +10,7 @@
 #   bash benchmarks/device_session.sh flashinfer # qkrope bench --layout paged vs FlashInfer
 #   bash benchmarks/device_session.sh sweep      # --sweep vs torch.compile, 96/8 and 32/8 heads
 #   bash benchmarks/device_session.sh presets    # sweeps: qwen3-32b, qwen3-vl-8b, qwen3.5-27b
-#   bash benchmarks/device_session.sh e2e        # Qwen3 decode step with/without the patch
+#   bash benchmarks/device_session.sh e2e [PRESET] # qkrope bench --e2e: the model, stock vs patched
 #   bash benchmarks/device_session.sh tiles      # tile sweep on the mid-size workloads
 #   bash benchmarks/device_session.sh small-tiles # one head per program vs tiles, 1-64 tokens, 5 models
 #   bash benchmarks/device_session.sh trig       # trig cost: kernel variants trig_hw, no_trig
@@ -46,7 +46,8 @@ case "${1:-tests}" in
              --host-calls 200 --json "$OUT/sweep-$m.json" --plot "$OUT/sweep-$m.png" \
              2>&1 | tee "$OUT/sweep-$m.md"
          done ;;
-  e2e)   python3 benchmarks/e2e_qwen3.py 2>&1 | tee "$OUT/e2e.md" ;;
+  e2e)   python3 -m qkrope bench --e2e ${2:+--model $2} --json "$OUT/e2e.json" \
+           --plot "$OUT/e2e.png" 2>&1 | tee "$OUT/e2e.md" ;;
   tiles) python3 benchmarks/tile_sweep.py --rows 3,4,6,8,10 \
            --configs pick 16,8,1,2 8,8,2,2 16,8,2,2 8,4,2,1 32,8,1,4 4,4,4,2 \
            --json "$OUT/tiles.json" 2>&1 | tee "$OUT/tiles.md" ;;

@@ -48,7 +48,7 @@ TINY = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4,
 MODES = ("eager", "compile", "reduce-overhead", "generate")
 PHASES = ("decode", "prefill")
 PROMPT = 32          # tokens before the timed decode steps
-GENERATE_TOKENS = (4, 20)  # generate() lengths whose time difference gives the per-token time
+GENERATE_TOKENS = (8, 72)  # generate() lengths whose time difference gives the per-token time
 
 
 @dataclasses.dataclass
@@ -212,7 +212,7 @@ def _generate(model, prompt, device: str, compiled: bool):
 
     with torch.no_grad():
         run(GENERATE_TOKENS[0])  # compiles
-        t = {n: min(run(n)[0] for _ in range(2)) for n in GENERATE_TOKENS}
+        t = {n: min(run(n)[0] for _ in range(3)) for n in GENERATE_TOKENS}
         _, out = run(2)
     per_token = (t[GENERATE_TOKENS[1]] - t[GENERATE_TOKENS[0]]) / (
         GENERATE_TOKENS[1] - GENERATE_TOKENS[0])
