@@ -94,7 +94,7 @@ def test_compiled_op_host_time_is_a_small_multiple_of_a_trivial_op():
     # body must take the native fast path (no Python checks, no Triton launcher), so its host
     # time stays within a few times that of a registered op that only adds one to a tensor
     # (the figures themselves: qkrope bench --e2e). Where the native route is off, the checked path runs and this bound does not apply.
-    from qkrope.bench.e2e import op_host_times
+    from qkrope.bench.timing import op_host_times
     from qkrope.ops._launch import route
 
     if route()[0] != "native":
