@@ -573,3 +573,66 @@ def test_cache_comes_from_the_stock_keyword_only():
         [layer.is_initialized for layer in caches[0].layers]
     if caches[0].layers[0].is_initialized:
         assert_same_cache(caches[1], caches[0])
+
+
+_OTHER_KEYWORD_COMPILED = """
+import inspect, sys, warnings, torch, transformers
+from transformers import StaticCache
+from qkrope.integrations.transformers import patch, unpatch
+torch.manual_seed(0)
+B, PROMPT, STEPS = 8, 32, 3
+# Qwen3-8B's heads (32/8 of 128 dims) on a narrow model: the attention the crash was in.
+cfg = dict(vocab_size=1024, hidden_size=1024, intermediate_size=1024, num_hidden_layers=2,
+           num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6)
+model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**cfg)).cuda().bfloat16().eval()
+with torch.no_grad():
+    for n, p in model.named_parameters():
+        if n.endswith(("q_norm.weight", "k_norm.weight")):
+            p.copy_(1 + 0.5 * torch.randn_like(p))
+own = "cache" if "cache" in inspect.signature(type(model).forward).parameters \\
+    else "past_key_values"
+other = "past_key_values" if own == "cache" else "cache"
+ids = torch.randint(0, 1024, (B, PROMPT + STEPS), device="cuda")
+
+def decode(forward):
+    cache = StaticCache(config=model.config, max_cache_len=PROMPT + STEPS + 8)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # 5.24+ maps the old keyword, with a warning
+        model(ids[:, :PROMPT], **{other: cache}, use_cache=True)
+        for i in range(STEPS):
+            pos = torch.full((B, 1), PROMPT + i, device="cuda")
+            logits = forward(ids[:, PROMPT + i:PROMPT + i + 1], **{other: cache},
+                             position_ids=pos, use_cache=True).logits[:, -1].float()
+    torch.cuda.synchronize()
+    return logits
+
+eager = decode(model.forward)
+torch._dynamo.reset()
+stock = decode(torch.compile(model.forward))
+patch(model)
+torch._dynamo.reset()
+fused = decode(torch.compile(model.forward))
+ulp = 2.0 ** (torch.floor(torch.log2(eager.abs().max())) - 7)
+stock_err, fused_err = (stock - eager).abs().max(), (fused - eager).abs().max()
+assert fused_err <= 2 * stock_err + ulp, (fused_err, stock_err, ulp)
+print("ok", own, other, float(stock_err), float(fused_err))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the crash was a CUDA fault")
+def test_compiled_batch_of_8_with_the_cache_under_the_other_keyword_runs_like_stock():
+    # The reproducer of a CUDA "misaligned address": a compiled batch-8 decode step given its
+    # StaticCache under the keyword the installed transformers does not read (``cache=`` before
+    # 5.24). The stock model ignores it and builds its own DynamicCache and attention mask; a
+    # patched layer that wrote and attended the StaticCache anyway ran cuDNN's SDPA with that
+    # mask against the StaticCache's longer keys, and the kernel faulted (compute-sanitizer:
+    # misaligned 4-byte reads in cudnn_generated_fort_native_sdpa_sm80_flash_fprop; docs/
+    # design.md, "HF cache keyword"). A process of its own: a fault ends the CUDA context.
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _OTHER_KEYWORD_COMPILED], capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0 and "CUDA error" not in run.stderr, run.stderr[-3000:]
+    assert run.stdout.startswith("ok"), run.stdout

@@ -53,6 +53,7 @@ MODES = ("eager", "compile", "reduce-overhead", "generate")
 PHASES = ("decode", "prefill")
 PROMPT = 32          # tokens before the timed decode steps
 GENERATE_TOKENS = (8, 72)  # generate() lengths whose time difference gives the per-token time
+GENERATE_ROUNDS = 9  # per-token times per variant (median): the host's speed drifts by 10-15%
 
 
 @dataclasses.dataclass
@@ -251,17 +252,18 @@ def _measure(model, patch_fns, cell: Cell, stream, steps, warmup, device,
             for v in variants:  # compile both
                 use(v)
                 _generate(model, stream[:, :PROMPT], device, compiled_here, GENERATE_TOKENS[0])
-            spans = {v: {n: [] for n in GENERATE_TOKENS} for v in variants}
-            for _ in range(3):
-                for n in GENERATE_TOKENS:
-                    for v in variants:
-                        use(v)
-                        spans[v][n].append(_generate(model, stream[:, :PROMPT], device,
-                                                     compiled_here, n)[0])
             lo, hi = GENERATE_TOKENS
+            for r in range(GENERATE_ROUNDS if device == "cuda" else 1):  # CPU: untimed
+                # Per round and variant, the per-token time of the tokens between a short and
+                # a long generate() run back to back; the variants' order alternates, so a
+                # drift of the host's speed within a round favours neither.
+                for v in variants if r % 2 == 0 else variants[::-1]:
+                    use(v)
+                    short, long = (_generate(model, stream[:, :PROMPT], device, compiled_here,
+                                             n)[0] for n in (lo, hi))
+                    times[v].append((long - short) / (hi - lo) * 1e3)
             for v in variants:
                 use(v)
-                times[v] = [(min(spans[v][hi]) - min(spans[v][lo])) / (hi - lo) * 1e3]
                 _, logits, first = _generate(model, stream[:, :PROMPT], device, compiled_here, 2)
                 last[v] = (logits, first)
         else:

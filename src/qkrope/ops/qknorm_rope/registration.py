@@ -4,7 +4,7 @@ Its body is what every launch runs, eager or inside a compiled graph: the native
 a signature it has seen (``KernelLauncher.fast_call``: no Python checks, one ``cuLaunchKernel``),
 else the checked launch, which keeps a plan for that signature. Inside a compiled graph the
 arguments were checked when the graph was traced, so each call costs what an eager fast-path
-call does plus the dispatcher (docs/design.md, "The compile route"). One direction: public
+call does plus the dispatcher (docs/design.md, "Compile route"). One direction: public
 function -> checks -> this op -> the launch.
 """
 
@@ -56,7 +56,7 @@ def _qknorm_rope(
 def options_key(opts: Options) -> str:
     """Canonical options as the registered op's one ``options`` argument: every call through
     the dispatcher boxes each argument, so the eight static options travel as one string
-    (docs/design.md, "The compile route")."""
+    (docs/design.md, "Compile route")."""
     return repr(tuple(opts))
 
 
