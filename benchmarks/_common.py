@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from qkrope.ops.qknorm_rope import launcher
+from qkrope.ops.qknorm_rope import checks, launcher
 from qkrope.ops._launch import KernelLauncher
 from qkrope.suite import (DEFAULT_MODEL, PAGED_SUITE, SUITE, Workload, make_inputs,
                           make_paged_inputs)
@@ -71,12 +71,12 @@ def row_op(row: Row):
     return qkrope.fused_qk_norm_rope_paged if row.paged else qkrope.run
 
 
-def row_options(row: Row, **fields) -> launcher.Options:
+def row_options(row: Row, **fields) -> checks.Options:
     """The options a default public call of ``row`` launches with (``fields`` override)."""
-    return launcher.Options(layout="NHD" if row.paged else "bhsd")._replace(**fields)
+    return checks.Options(layout="NHD" if row.paged else "bhsd")._replace(**fields)
 
 
-def launch_args(args: tuple, query_out, key_out, opts: launcher.Options,
+def launch_args(args: tuple, query_out, key_out, opts: checks.Options,
                 k_scale=None, v_scale=None) -> tuple:
     """``launcher.launch``'s positional arguments for public-API ``args`` (either layout)."""
     return (*args[:10], k_scale, v_scale, query_out, key_out, args[10], opts)
@@ -105,12 +105,11 @@ def forced(kernel=None, config: launcher.TileConfig | None = None, num_sms: int 
            capture: list | None = None):
     """Inside: ``launcher.launch`` runs ``kernel`` (Triton's public launch) with tile
     ``config`` instead of ``pick_config``'s, ``pick_config`` sees ``num_sms`` SMs, and with
-    ``capture`` nothing is launched: each launch appends ``(grid, args, meta)`` to it, and the
-    overlap check is skipped (capturing runs on meta tensors, which all sit at address 0).
+    ``capture`` nothing is launched: each launch appends ``(grid, args, meta)`` to it
+    (``launcher.launch`` checks nothing: meta tensors, which all sit at address 0, are fine).
 
     Swaps module globals of ``launcher`` for the duration (scripts only; not thread-safe)."""
-    saved = {n: getattr(launcher, n) for n in ("LAUNCHER", "pick_config", "_num_sms",
-                                               "check_disjoint")}
+    saved = {n: getattr(launcher, n) for n in ("LAUNCHER", "pick_config", "_num_sms")}
     pick = launcher.pick_config.__wrapped__  # uncached: the SM count may differ per call
     if kernel is not None:
         if kernel not in _launchers:
@@ -122,7 +121,6 @@ def forced(kernel=None, config: launcher.TileConfig | None = None, num_sms: int 
                 capture.append((grid, args, meta))
 
         launcher.LAUNCHER = Capture()
-        launcher.check_disjoint = lambda *a, **k: None
     if num_sms is not None:
         launcher._num_sms = lambda: num_sms
     if config is not None:

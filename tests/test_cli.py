@@ -251,7 +251,7 @@ def test_every_impl_subset_runs_on_cpu(capsys, tmp_path, subset):
 @cpu_only
 def test_ctrl_c_exits_130_and_keeps_partial_json(monkeypatch, capsys, tmp_path):
     checks = []
-    real_check = runner._check
+    real_check = runner.check_result
 
     def check_then_interrupt(*args):
         checks.append(1)
@@ -259,7 +259,7 @@ def test_ctrl_c_exits_130_and_keeps_partial_json(monkeypatch, capsys, tmp_path):
             raise KeyboardInterrupt
         return real_check(*args)
 
-    monkeypatch.setattr(runner, "_check", check_then_interrupt)
+    monkeypatch.setattr(runner, "check_result", check_then_interrupt)
     path = tmp_path / "partial.json"
     rc, out, err = run(["bench", "--shape", "1,0,1", "--shape", "1,3,2", "--shape", "2,0,1",
                         "--model", "qwen3-0.6b", "--json", str(path)], capsys)
@@ -272,7 +272,7 @@ def test_ctrl_c_exits_130_and_keeps_partial_json(monkeypatch, capsys, tmp_path):
 
 @cpu_only
 def test_ctrl_c_without_json_is_one_line(monkeypatch, capsys):
-    monkeypatch.setattr(runner, "_check", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
+    monkeypatch.setattr(runner, "check_result", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
     rc, out, err = run(["bench", "--shape", "1,0,1", "--model", "qwen3-0.6b"], capsys)
     assert rc == 130 and out == "" and err.strip().splitlines()[-1] == "interrupted"
     assert "Traceback" not in err

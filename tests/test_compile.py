@@ -6,7 +6,7 @@ import torch
 from helpers import Case, make_inputs
 
 import qkrope
-from qkrope.ops.qknorm_rope.launcher import Options
+from qkrope.ops.qknorm_rope.checks import Options
 from qkrope.ops.qknorm_rope.registration import options_key
 
 

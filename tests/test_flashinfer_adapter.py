@@ -15,7 +15,7 @@ import torch
 
 from qkrope.bench import flashinfer as fi
 from qkrope.bench import impls as bench_impls
-from qkrope.bench.runner import _check, run_benchmark
+from qkrope.bench.runner import check_result, run_benchmark
 from qkrope.suite import MODELS, ModelGeometry, Workload, make_paged_inputs
 
 # FlashInfer's second head configuration (8, 1) keeps the CPU quick; Qwen3-32B's RoPE constants.
@@ -181,7 +181,7 @@ def test_bench_check_through_the_adapter(name, shift):
     call_args = bench_impls.with_fresh_caches(args)
     out = peer(*call_args)
     assert out[1] is None and out[2] is call_args[4]  # no rotated K: checked through the cache
-    assert _check(out, ref, WORKLOADS[name].atol).correct is (shift == 0)
+    assert check_result(out, ref, WORKLOADS[name].atol).correct is (shift == 0)
     assert peer(*call_args)[0].shape == args[0].shape  # the second call reuses the inputs
     assert peer._args[0] is call_args[0]
 

@@ -93,7 +93,8 @@ def test_native_launch_plans_are_used_and_exact():
     import threading
 
     from qkrope.ops import _native
-    from qkrope.ops.qknorm_rope.launcher import LAUNCHER, Options
+    from qkrope.ops.qknorm_rope.checks import Options
+    from qkrope.ops.qknorm_rope.launcher import LAUNCHER
 
     if not _native.enabled():
         pytest.skip("QKROPE_NATIVE=0")

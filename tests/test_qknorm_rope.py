@@ -319,7 +319,7 @@ def test_fp8_cache_bytes_match_the_oracle_for_every_scale_value(scale, per_head)
     # whatever they hold, the cache bytes are the oracle's, bit for bit. V's rows go to the
     # cache unchanged, so they compare whole; the rotated K rows compare through the kernel's
     # own key_rotated (a flipped rounding in K would otherwise be a different byte).
-    from qkrope.ops.qknorm_rope.reference import _quantize
+    from qkrope.ops.qknorm_rope.reference import quantize
 
     c = PCase(T=5, cache_dtype=torch.float8_e4m3fn, per_head_scale=per_head, seed=11)
     args, kwargs = make(c)
@@ -340,7 +340,7 @@ def test_fp8_cache_bytes_match_the_oracle_for_every_scale_value(scale, per_head)
     assert torch.equal(vc.view(torch.uint8), vc_ref.view(torch.uint8)), "value cache bytes"
     valid = (slots >= 0) & (slots < c.num_blocks * c.block_size)
     blk, off = slots[valid] // c.block_size, slots[valid] % c.block_size
-    want = _quantize(k_rot[valid], kc.dtype, kwargs["k_scale"], 1)
+    want = quantize(k_rot[valid], kc.dtype, kwargs["k_scale"], 1)
     assert torch.equal(kc[blk, off].view(torch.uint8), want.view(torch.uint8)), "key cache bytes"
     assert (vc_ref.view(torch.uint8) != 0xFF).all(), "NaN must be stored as 0x7F, not 0xFF"
 

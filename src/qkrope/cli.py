@@ -344,7 +344,7 @@ def _check_requests(args, timed: bool, workloads: list[Workload]) -> list[str]:
 def _check_memory(args, plan, cache_len: int | None, timed: bool) -> None:
     """Refuses, before any work, a workload whose inputs cannot fit in this machine's memory
     (the GPU's, or without one its RAM), saying what it needs and what to shrink."""
-    from .bench.runner import _size, inputs_size, memory_bytes
+    from .bench.runner import human_size, inputs_size, memory_bytes
 
     have = memory_bytes()
     if have is None:
@@ -355,7 +355,7 @@ def _check_memory(args, plan, cache_len: int | None, timed: bool) -> None:
             how = ("a smaller --cache-len" if args.cache_len is not None else
                    "a smaller C or B in --shape" if args.shape else "a smaller --cache-len")
             raise UsageError(f"workload {listed.seq_len},{listed.cache_len},{listed.batch} needs "
-                             f"{size.describe()}, more than this machine's {_size(have)} of "
+                             f"{size.describe()}, more than this machine's {human_size(have)} of "
                              f"{'GPU memory' if timed else 'memory'}: use {how}")
 
 

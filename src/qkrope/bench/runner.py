@@ -28,7 +28,8 @@ from .report import (
 
 __all__ = ["ImplResult", "WorkloadResult", "BenchReport", "CheckPlan", "Progress", "check_plan",
            "run_benchmark", "render_markdown", "write_json", "write_plot", "sweep_workloads",
-           "environment", "NATIVE_WAIT_S", "ProgressBar", "InputsTooLarge", "inputs_size", "memory_bytes"]
+           "environment", "NATIVE_WAIT_S", "ProgressBar", "InputsTooLarge", "inputs_size",
+           "memory_bytes", "human_size", "check_result"]
 
 #: How long a GPU run waits for the native launch helpers before timing (a first build takes
 #: ~30 s on two cores; a broken toolchain must not hold the run forever).
@@ -141,7 +142,7 @@ class InputsSize:
     total_bytes: int
 
     def describe(self) -> str:
-        return (f"about {_size(self.total_bytes)}: key and value caches of "
+        return (f"about {human_size(self.total_bytes)}: key and value caches of "
                 f"{list(self.cache_shape)} bfloat16 each, held three times (inputs, the "
                 "oracle's result, the call's copy)")
 
@@ -174,7 +175,7 @@ def memory_bytes() -> int | None:
         return None
 
 
-def _size(n: float) -> str:
+def human_size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
         if n < 1024 or unit == "PiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -187,7 +188,7 @@ def _allocation_failed(e: BaseException) -> bool:
         isinstance(e, RuntimeError) and "can't allocate memory" in str(e))
 
 
-def _check(out, ref, atol) -> ImplResult:
+def check_result(out, ref, atol) -> ImplResult:
     checks = check_outputs(out, ref, atol)
     return ImplResult(correct=all(c.ok for c in checks),
                       match_fraction=min(c.match_fraction for c in checks),
@@ -317,7 +318,7 @@ def run_benchmark(
             progress.status(f"#{idx} {listed.name} {name}")
             call_args = with_fresh_caches(args)
             try:
-                res = _check(fn(*call_args), ref, w.atol)
+                res = check_result(fn(*call_args), ref, w.atol)
                 if timed:
                     _time_into(res, fn, call_args, flush, iters, warmup, host_calls, graphs,
                                add_one)

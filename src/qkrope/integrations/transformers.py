@@ -64,7 +64,7 @@ from transformers.cache_utils import StaticLayer
 
 from .._interpret import interpreting
 from ..ops.qknorm_rope import fused_rope_with_qk_norm_and_kv_cache_update
-from ..ops.qknorm_rope.launcher import ACTIVATION_DTYPES, HEAD_DIMS
+from ..ops.qknorm_rope.checks import ACTIVATION_DTYPES, HEAD_DIMS
 
 __all__ = ["patch", "unpatch", "is_patched", "patch_qwen3", "unpatch_qwen3", "FallbackWarning",
            "SUPPORTED_ATTENTION"]

@@ -1,6 +1,7 @@
-"""One folder per op (``reference.py``, ``kernel.py``, ``launcher.py``, ``registration.py``,
-``api.py``); ``_launch.py`` launches compiled kernels for every op (Triton's public launch and
-the native fast path of ``_native.py`` / ``csrc/fast_path.cpp``)."""
+"""One folder per op (``api.py``, ``checks.py``, ``registration.py``, ``launcher.py``,
+``kernel.py``, ``reference.py``); ``_custom_op.py`` registers any op for torch.compile;
+``_launch.py`` launches compiled kernels for every op (Triton's public launch and the native
+fast path of ``_native.py`` / ``csrc/fast_path.cpp``)."""
 
 
 def launch_route() -> str:

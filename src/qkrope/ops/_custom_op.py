@@ -9,10 +9,10 @@ eager call need not pay).
 
 The op is defined with ``torch.library.Library`` and one ``CompositeExplicitAutograd`` kernel,
 not with ``torch.library.custom_op``: inside a compiled graph every call goes through the
-dispatcher, and ``custom_op``'s Python autograd and in-place/view layers cost ~420 µs per call
-of the op on an H200 host, where the plain definition costs what a registered op that only
-adds one does (docs/design.md, "Compile route"). What those layers did is done where it is cheap: the
-public functions refuse inputs that autograd would record (at trace time under
+dispatcher, and ``custom_op``'s Python autograd and in-place/view layers cost ~420 µs per
+call of the op on an H200 host, where the plain definition costs what a registered op that
+only adds one does (docs/design.md, "Compile route"). What those layers did is done where it
+is cheap: the public functions refuse inputs that autograd would record (at trace time under
 ``torch.compile``), and the op's body bumps the version counters of what it writes.
 """
 

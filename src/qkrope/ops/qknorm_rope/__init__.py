@@ -1,9 +1,10 @@
 """Fused per-head QK RMSNorm + RoPE + K/V cache write, one launch, two entry points.
 
-``reference.py`` (the oracle, never imported by production code), ``kernel.py`` (the one Triton
-kernel), ``launcher.py`` (checks, layout adapters, tile picker, launch), ``registration.py``
-(the ``torch.ops.qkrope.qknorm_rope`` custom op), ``validation.py`` (``validate=True``'s value
-checks), ``api.py`` (the public functions).
+``api.py`` (the public functions) -> ``checks.py`` (argument checks, canonical options) ->
+``registration.py`` (the ``torch.ops.qkrope.qknorm_rope`` custom op) -> ``launcher.py``
+(layout adapters, tile picker, launch) -> ``kernel.py`` (the one Triton kernel);
+``validation.py`` (``validate=True``'s value checks); ``reference.py`` (the oracle, never
+imported by production code).
 """
 
 from .api import (

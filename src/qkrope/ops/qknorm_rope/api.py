@@ -1,6 +1,6 @@
 """The op's public entry points: thin, documented wrappers over one checked launch path.
 
-A call goes public function -> (a repeated signature: the native fast path) -> checks ->
+A call goes public function -> (a repeated signature: the native fast path) -> ``checks.py`` ->
 :func:`registration.qknorm_rope` -> :func:`launcher.launch`. Both entry points run the same
 kernel; they differ only in how activations and caches are laid out:
 
@@ -18,14 +18,13 @@ kernel; they differ only in how activations and caches are laid out:
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 
-from .launcher import (
-    ACTIVATION_DTYPES, FP32_MAX, FP32_TINY, LAUNCHER, Options, _dtype_name, _scalar_on, _tensor,
-    check_bhsd, check_paged, scale_tensor,
+from .checks import (
+    ACTIVATION_DTYPES, FP32_MAX, FP32_TINY, Options, check_bhsd, check_out, check_paged,
+    head_count, refuse_autograd, scalar_on, scale_tensor, tensor_arg,
 )
+from .launcher import LAUNCHER
 from .registration import options_key, qknorm_rope
 from .validation import check_rows, check_scale, validated_rows, validated_scale
 
@@ -221,31 +220,10 @@ def _checked_call(checked: Options, tensors: tuple, k_scale, v_scale, query_out,
         rows, k_sc, v_sc = _validate(tensors[6], rows_bound, rows_name, k_sc, v_sc)
         tensors = (*tensors[:6], rows, *tensors[7:])
     query_out, key_out = _outputs(query, key, query_out, key_out)
-    _refuse_autograd(checked.layout, (*tensors, query_out, key_out))
+    refuse_autograd(checked.layout, (*tensors, query_out, key_out))
     qknorm_rope(*tensors, k_sc, v_sc, query_out, key_out, float(rms_norm_eps),
                 options_key(checked))
     return query_out, key_out
-
-
-_NAMES = {"bhsd": ("query", "key", "value", "position_ids", "key_cache", "value_cache",
-                   "cache_position", "q_norm_weight", "k_norm_weight", "inv_freq", "query_out",
-                   "key_out"),
-          "paged": ("query", "key", "value", "positions", "key_cache", "value_cache",
-                    "slot_mapping", "q_norm_weight", "k_norm_weight", "inv_freq", "query_out",
-                    "key_out")}
-
-
-def _refuse_autograd(layout: str, tensors: tuple) -> None:
-    """The op has no backward: refuse what autograd would record rather than return outputs
-    cut off from the graph (wrong, silent gradients). Under torch.compile this runs at trace
-    time, guarded on grad mode and ``requires_grad``."""
-    if not torch.is_grad_enabled():
-        return
-    for name, t in zip(_NAMES["bhsd" if layout == "bhsd" else "paged"], tensors):
-        if t.requires_grad:
-            raise RuntimeError(
-                f"{name} requires grad, but qkrope's fused op has no backward (autograd): call "
-                f"it under torch.no_grad() / torch.inference_mode(), or pass {name}.detach()")
 
 
 def _fast_key(layout, rotary_style, rotary_dim, norm_weight_offset, norm_rounding,
@@ -272,7 +250,7 @@ def _fast_scales(k_scale, v_scale, query):
         if s is None or type(s) is torch.Tensor:
             out.append(s)
         elif type(s) is float and FP32_TINY <= s <= FP32_MAX:  # else judged when checked
-            out.append(_scalar_on(s, query.device))
+            out.append(scalar_on(s, query.device))
         else:
             return None
     return out
@@ -293,48 +271,31 @@ def _validate(rows: torch.Tensor, bound: int, name: str, k_scale, v_scale) -> tu
     return rows, k_scale, v_scale
 
 
-def _check_out(name: str, out, like: torch.Tensor) -> None:
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(out).__name__}")
-    if tuple(out.shape) != tuple(like.shape):
-        raise ValueError(f"{name} must have shape {list(like.shape)}, got {list(out.shape)}")
-    if out.dtype != like.dtype:
-        raise TypeError(f"{name} must be {_dtype_name(like.dtype)}, got {_dtype_name(out.dtype)}")
-    if out.device != like.device:
-        raise ValueError(f"{name} must be on {like.device}, got {out.device}")
-
-
 def _outputs(query, key, query_out, key_out):
     """The caller's checked ``query_out``/``key_out``, or new contiguous ones like q and k
     (plain torch calls: traceable)."""
     if query_out is None:
         query_out = torch.empty_like(query, memory_format=torch.contiguous_format)
     else:
-        _check_out("query_out", query_out, query)
+        check_out("query_out", query_out, query)
     if key_out is None:
         key_out = torch.empty_like(key, memory_format=torch.contiguous_format)
     else:
-        _check_out("key_out", key_out, key)
+        check_out("key_out", key_out, key)
     return query_out, key_out
-
-
-def _head_count(name: str, n) -> int:
-    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
-        raise TypeError(f"{name} must be a positive int, got {n!r}")
-    return int(n)
 
 
 def split_packed_qkv(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int):
     """Views q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D] of a packed projection output
     ``qkv`` [T, (Hq + 2 Hkv) * D] (no copy)."""
-    _tensor("qkv", qkv, 2, ACTIVATION_DTYPES)
-    return _split(qkv, num_q_heads, num_kv_heads, _head_count("head_dim", head_dim), "head_dim")
+    tensor_arg("qkv", qkv, 2, ACTIVATION_DTYPES)
+    return _split(qkv, num_q_heads, num_kv_heads, head_count("head_dim", head_dim), "head_dim")
 
 
 def _split(qkv: torch.Tensor, num_q_heads, num_kv_heads, d: int, d_name: str):
     """:func:`split_packed_qkv` with head_dim ``d`` checked; ``d_name`` says where the caller
     gave it (errors name it)."""
-    hq, hkv = _head_count("num_q_heads", num_q_heads), _head_count("num_kv_heads", num_kv_heads)
+    hq, hkv = head_count("num_q_heads", num_q_heads), head_count("num_kv_heads", num_kv_heads)
     width = (hq + 2 * hkv) * d
     if qkv.shape[1] != width:
         raise ValueError(f"qkv must have shape [T, {width}] ((num_q_heads + 2 num_kv_heads) * "
@@ -349,8 +310,8 @@ def fused_qkv_norm_rope_paged(qkv: torch.Tensor, num_q_heads: int, num_kv_heads:
                               k_norm_weight, inv_freq, rms_norm_eps, **kwargs):
     """:func:`fused_qk_norm_rope_paged` on a packed projection output ``qkv``
     [T, (Hq + 2 Hkv) * D] (D from ``q_norm_weight``); same keywords and returns."""
-    _tensor("qkv", qkv, 2, ACTIVATION_DTYPES)
-    _tensor("q_norm_weight", q_norm_weight, 1, ACTIVATION_DTYPES)
+    tensor_arg("qkv", qkv, 2, ACTIVATION_DTYPES)
+    tensor_arg("q_norm_weight", q_norm_weight, 1, ACTIVATION_DTYPES)
     d = q_norm_weight.shape[0]
     if d < 1:  # head_dim is not an argument here: q_norm_weight's length gives it
         raise ValueError(f"q_norm_weight must have shape [D] with D >= 1, the head_dim qkv's "

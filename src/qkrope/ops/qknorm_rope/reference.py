@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["qknorm_rope_cache_ref", "qknorm_rope_paged_ref", "rms_norm_ref", "rope_angles_ref",
-           "cos_sin_ref", "rotate_ref", "qk_rotated_fp64"]
+           "cos_sin_ref", "rotate_ref", "qk_rotated_fp64", "quantize"]
 
 _FP8_MAX = {torch.float8_e4m3fn: 448.0}
 _FP8_NAN = 0x7F  # float8_e4m3fn's positive NaN: the code the kernel stores for every NaN
@@ -86,7 +86,7 @@ def rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim
     return torch.cat((out, tail), dim=-1)
 
 
-def _quantize(rows: torch.Tensor, cache_dtype: torch.dtype, scale, head_dim_axis: int):
+def quantize(rows: torch.Tensor, cache_dtype: torch.dtype, scale, head_dim_axis: int):
     """R4 for FP8 caches (per-tensor or per-head ``scale``); a plain cast otherwise."""
     if cache_dtype in _FP8_MAX:
         lim = _FP8_MAX[cache_dtype]
@@ -148,7 +148,7 @@ def qknorm_rope_cache_ref(
         keep = (rows >= 0) & (rows < L)
         rows, k_new, v_new = rows[keep], k_rot[:, :, keep], value[:, :, keep]
     for cache, new, scale in ((key_cache, k_new, k_scale), (value_cache, v_new, v_scale)):
-        new = _quantize(new, cache.dtype, scale, 1)
+        new = quantize(new, cache.dtype, scale, 1)
         if cache.dtype in _FP8_MAX:  # index_copy_ has no float8 kernels: copy the bytes
             cache, new = cache.view(torch.uint8), new.view(torch.uint8)
         cache.index_copy_(2, rows, new)
@@ -185,7 +185,7 @@ def qknorm_rope_paged_ref(
         slots, k_new, v_new = slots[keep], k_rot[keep], value[keep]
     block, offset = slots // block_size, slots % block_size
     for cache, rows, scale in ((key_cache, k_new, k_scale), (value_cache, v_new, v_scale)):
-        rows = _quantize(rows, cache.dtype, scale, 1)
+        rows = quantize(rows, cache.dtype, scale, 1)
         if cache_layout == "NHD":
             cache[block, offset] = rows
         else:

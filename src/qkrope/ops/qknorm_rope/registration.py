@@ -2,9 +2,9 @@
 
 Its body is what every launch runs, eager or inside a compiled graph: the native fast path for
 a signature it has seen (``KernelLauncher.fast_call``: no Python checks, one ``cuLaunchKernel``),
-else the checked launch, which keeps a plan for that signature. Inside a compiled graph the
-arguments were checked when the graph was traced, so each call costs what an eager fast-path
-call does plus the dispatcher (docs/design.md, "Compile route"). One direction: public
+else the overlap check and the checked launch, which keeps a plan for that signature. Inside a
+compiled graph the arguments were checked when the graph was traced, so each call costs what an
+eager fast-path call does plus the dispatcher (docs/design.md, "Compile route"). One direction: public
 function -> checks -> this op -> the launch.
 """
 
@@ -16,7 +16,8 @@ import functools
 import torch
 
 from .._custom_op import custom_op
-from .launcher import LAUNCHER, Options, launch
+from .checks import Options, check_overlap
+from .launcher import LAUNCHER, launch
 
 __all__ = ["qknorm_rope", "options_key"]
 
@@ -46,6 +47,8 @@ def _qknorm_rope(
     inputs = (query, key, value, positions, key_cache, value_cache, slots, q_norm_weight,
               k_norm_weight, inv_freq, k_scale, v_scale)
     if LAUNCHER.fast_call(opts, inputs, query, key, query_out, key_out, rms_norm_eps) is None:
+        # The fast path runs the overlap rules natively; a checked launch runs them here.
+        check_overlap(opts.layout, (*inputs[:10], query_out, key_out), k_scale, v_scale)
         signature = LAUNCHER.signature(opts, (*inputs, query_out, key_out))
         result = launch(*inputs, query_out, key_out, rms_norm_eps, opts)
         LAUNCHER.remember(None if signature is None else signature[0], *result,

@@ -1,0 +1,368 @@
+"""Argument checks of both entry points: types, dtypes, ranks, shapes, devices, the scalar
+options' float32 ranges, option canonicalisation, the outputs, autograd and memory overlap.
+
+Each check raises ``TypeError`` / ``ValueError`` naming the argument the caller passed and what
+was expected, before anything is written. The public functions (``api.py``) call these; the
+registered op's body calls :func:`check_overlap` before a checked launch (the fast path runs the
+same overlap rules natively); ``launcher.py`` checks nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+import struct
+from typing import NamedTuple
+
+import torch
+
+from ..._interpret import interpreting
+from .._overlap import check_disjoint
+
+__all__ = ["HEAD_DIMS", "ACTIVATION_DTYPES", "FP8_CACHE_DTYPES", "INDEX_DTYPES", "FP32_MAX",
+           "FP32_TINY", "Options", "dtype_name", "tensor_arg", "scale_tensor", "scalar_on",
+           "check_bhsd", "check_paged", "check_out", "head_count", "refuse_autograd",
+           "check_overlap"]
+
+HEAD_DIMS = (64, 128, 256, 512)
+ACTIVATION_DTYPES = (torch.bfloat16, torch.float16)
+FP8_CACHE_DTYPES = (torch.float8_e4m3fn,)
+INDEX_DTYPES = (torch.int32, torch.int64)
+NORM_ROUNDINGS = ("weight_fp32", "hf")
+ROTARY_STYLES = ("neox", "gptj")
+LAYOUTS = ("bhsd", "NHD", "HND")
+
+
+class Options(NamedTuple):
+    """The static options of a call (hashable: part of the fast path's signature)."""
+
+    layout: str = "bhsd"                 # "bhsd", or the paged cache layout "NHD" / "HND"
+    rotary_style: str = "neox"
+    rotary_dim: int | None = None        # None: head_dim
+    norm_weight_offset: float = 0.0
+    norm_rounding: str = "weight_fp32"
+    cos_sin_scale: float = 1.0
+    mrope_section: tuple | None = None
+    mrope_interleaved: bool = False
+
+
+# --------------------------------------------------------------------------------------------
+# checks
+# --------------------------------------------------------------------------------------------
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def tensor_arg(name: str, x, rank: int | tuple[int, ...], dtypes) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if hasattr(x, "to_local"):  # a DTensor: the kernel addresses one device's memory
+        raise TypeError(f"{name} is a {type(x).__name__}; pass this rank's tensor "
+                        f"({name}.to_local())")
+    ranks = (rank,) if isinstance(rank, int) else rank
+    if x.dim() not in ranks:
+        want = " or ".join(str(r) for r in ranks)
+        raise ValueError(f"{name} must have rank {want}, got shape {list(x.shape)}")
+    if x.dtype not in dtypes:
+        want = " or ".join(dtype_name(d) for d in dtypes)
+        raise TypeError(f"{name} must be {want}, got {dtype_name(x.dtype)}")
+    return x
+
+
+def _shape(name: str, x: torch.Tensor, expected: tuple[int, ...], what: str) -> None:
+    if tuple(x.shape) != tuple(expected):
+        raise ValueError(f"{name} must have shape {list(expected)} ({what}), got {list(x.shape)}")
+
+
+def _real(name: str, x) -> float:
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name} must be a Python float, got {type(x).__name__}")
+    if not math.isfinite(x):
+        raise ValueError(f"{name} must be finite, got {x}")
+    return float(x)
+
+
+#: float32's largest finite and smallest normal magnitudes.
+FP32_MAX = 3.4028234663852886e38
+FP32_TINY = 2.0**-126
+
+
+def _as_float32(x: float) -> float:
+    """``x`` rounded to float32 (nearest even), +-inf beyond float32's range."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
+
+
+def _fp32(name: str, x: float) -> float:
+    """A scalar the kernel uses as float32: refused where its float32 rounding is infinite, or
+    0 or subnormal for a nonzero ``x`` (the op would compute with another value than asked:
+    all-NaN or all-zero outputs, or subnormals, which GPU math may flush to zero)."""
+    y = _as_float32(x)
+    if math.isinf(y):
+        raise ValueError(f"{name} must be within float32's range (|{name}| <= {FP32_MAX:.8g}; "
+                         f"the kernel computes in float32, where {x} is {y}), got {x}")
+    if x != 0 and abs(y) < FP32_TINY:
+        raise ValueError(f"{name} must be 0 or at least float32's smallest normal value "
+                         f"({FP32_TINY:.8g}) in magnitude (the kernel computes in float32, where "
+                         f"{x} is {'0' if y == 0 else 'subnormal'}), got {x}")
+    return x
+
+
+def _type_name(x) -> str:
+    """``x``'s type as a caller would spell it: ``float``, ``numpy.bool``."""
+    t = type(x)
+    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
+def _check_options(opts: Options, D: int) -> Options:
+    """Validated options with ``rotary_dim`` and ``mrope_section`` in canonical form."""
+    if opts.rotary_style not in ROTARY_STYLES:
+        raise ValueError(f"rotary_style must be one of {ROTARY_STYLES}, got {opts.rotary_style!r}")
+    if opts.norm_rounding not in NORM_ROUNDINGS:
+        raise ValueError(f"norm_rounding must be one of {NORM_ROUNDINGS}, got "
+                         f"{opts.norm_rounding!r}")
+    offset = _fp32("norm_weight_offset", _real("norm_weight_offset", opts.norm_weight_offset))
+    if offset and opts.norm_rounding == "hf":
+        raise ValueError("norm_weight_offset (Gemma-style 1 + w) needs norm_rounding="
+                         "'weight_fp32', the rounding of the models that use it")
+    scale = _real("cos_sin_scale", opts.cos_sin_scale)
+    if scale <= 0:
+        raise ValueError(f"cos_sin_scale must be > 0, got {scale}")
+    _fp32("cos_sin_scale", scale)
+    rot = D if opts.rotary_dim is None else opts.rotary_dim
+    if isinstance(rot, bool) or not isinstance(rot, int) or not (2 <= rot <= D and rot % 2 == 0):
+        raise ValueError(f"rotary_dim must be an even int in [2, head_dim={D}], got "
+                         f"{opts.rotary_dim!r}")
+    section = opts.mrope_section
+    if section is not None:
+        try:
+            section = tuple(int(s) for s in section)
+            ok = len(section) == 3 and all(s >= 0 for s in section) and all(
+                type(s) is not bool and int(s) == s for s in opts.mrope_section)
+        except (TypeError, ValueError):
+            ok = False
+        if not ok or sum(section) != rot // 2:
+            raise ValueError(f"mrope_section must be 3 non-negative ints (temporal, height, "
+                             f"width) summing to rotary_dim/2={rot // 2}, got "
+                             f"{opts.mrope_section!r}")
+    if not isinstance(opts.mrope_interleaved, bool):
+        raise TypeError(f"mrope_interleaved must be a Python bool (True or False), got "
+                        f"{opts.mrope_interleaved!r} of type {_type_name(opts.mrope_interleaved)}")
+    if opts.mrope_interleaved and section is None:
+        raise ValueError("mrope_interleaved=True needs mrope_section (the temporal, height and "
+                         "width frequency counts it interleaves); without it the op would run "
+                         "plain RoPE")
+    return opts._replace(rotary_dim=rot, norm_weight_offset=offset, cos_sin_scale=scale,
+                         mrope_section=section)
+
+
+def scale_tensor(name: str, scale, cache: torch.Tensor, num_kv_heads: int):
+    """An FP8 cache's scale as a float32 device tensor of 1 or Hkv elements (Python floats are
+    cached per value and device), None for a cache of the activation dtype."""
+    if cache.dtype not in FP8_CACHE_DTYPES:
+        if scale is not None:
+            raise ValueError(f"{name} is only used with a float8_e4m3fn cache, got a "
+                             f"{dtype_name(cache.dtype)} cache")
+        return None
+    if scale is None:
+        raise ValueError(f"{name} is required for a float8_e4m3fn cache (stored = "
+                         f"saturate(x / {name}))")
+    if isinstance(scale, numbers.Real) and not isinstance(scale, bool):
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"{name} must be finite and > 0, got {scale}")
+        _fp32(name, float(scale))  # stored as a float32 tensor
+        if torch.compiler.is_compiling():  # traced: a graph constant, not a cached tensor
+            return torch.full((1,), float(scale), dtype=torch.float32, device=cache.device)
+        return scalar_on(float(scale), cache.device)
+    if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32:
+        raise TypeError(f"{name} must be a Python float or a float32 tensor")
+    if scale.dim() > 1 or scale.numel() not in (1, num_kv_heads) or scale.device != cache.device:
+        raise ValueError(f"{name} must be a 0-d or 1-d tensor of 1 or Hkv={num_kv_heads} "
+                         f"elements on {cache.device}, got shape {list(scale.shape)} on "
+                         f"{scale.device}")
+    return scale
+
+
+@functools.lru_cache(maxsize=64)
+def scalar_on(value: float, device: torch.device) -> torch.Tensor:
+    return torch.full((1,), value, dtype=torch.float32, device=device)
+
+
+def _check_common(query, key, value, key_cache, value_cache, q_norm_weight, k_norm_weight,
+                  inv_freq, rms_norm_eps, opts: Options, Hq: int, Hkv: int, D: int,
+                  others: dict) -> Options:
+    """What both layouts check alike; ``others``: the layout's remaining tensors by name
+    (positions, cache rows), checked for device here."""
+    act = query.dtype
+    for name, x in (("key", key), ("value", value)):
+        tensor_arg(name, x, query.dim(), (act,))
+    tensor_arg("q_norm_weight", q_norm_weight, 1, (act,))
+    tensor_arg("k_norm_weight", k_norm_weight, 1, (act,))
+    tensor_arg("inv_freq", inv_freq, 1, (torch.float32,))
+    eps = _real("rms_norm_eps", rms_norm_eps)
+    if eps < 0:
+        raise ValueError(f"rms_norm_eps must be >= 0, got {rms_norm_eps}")
+    _fp32("rms_norm_eps", eps)  # passed to the kernel as float32
+    if D not in HEAD_DIMS:
+        raise ValueError(f"query head_dim must be one of {HEAD_DIMS}, got {D}")
+    if Hq < 1 or Hkv < 1 or Hq % Hkv:
+        raise ValueError(f"query heads ({Hq}) must be a positive multiple of key heads ({Hkv})")
+    if value_cache.dtype != key_cache.dtype:
+        raise TypeError(f"value_cache must be {dtype_name(key_cache.dtype)} like key_cache, got "
+                        f"{dtype_name(value_cache.dtype)}")
+    opts = _check_options(opts, D)
+    _shape("q_norm_weight", q_norm_weight, (D,), "[D]")
+    _shape("k_norm_weight", k_norm_weight, (D,), "[D]")
+    _shape("inv_freq", inv_freq, (opts.rotary_dim // 2,), "[rotary_dim/2]")
+    device = query.device
+    for name, x in (("key", key), ("value", value), ("key_cache", key_cache),
+                    ("value_cache", value_cache), ("q_norm_weight", q_norm_weight),
+                    ("k_norm_weight", k_norm_weight), ("inv_freq", inv_freq), *others.items()):
+        if x.device != device:
+            raise ValueError(f"{name} is on {x.device} but query is on {device}: all inputs must "
+                             "be on one device")
+    if device.type != "cuda" and not (device.type == "cpu" and interpreting()):
+        hint = ("; use qkrope.reference on CPU, or set TRITON_INTERPRET=1 before importing "
+                "qkrope to run the kernel in Triton's interpreter" if device.type == "cpu"
+                else "")
+        raise ValueError(f"the fused kernel needs CUDA tensors (CPU tensors in Triton's "
+                         f"interpreter), got query on {device}{hint}")
+    return opts
+
+
+def _positions(name: str, positions, tokens: tuple[int, ...], opts: Options, what: str) -> None:
+    """positions: ``tokens`` shape, or [3, *tokens] with mRoPE (a leading 1 broadcasts)."""
+    tensor_arg(name, positions, len(tokens) + (opts.mrope_section is not None), INDEX_DTYPES)
+    shape = tuple(positions.shape)
+    if opts.mrope_section is not None:
+        if shape[0] != 3:
+            raise ValueError(f"{name} must have shape [3, {what}] with mrope_section (temporal, "
+                             f"height, width streams), got {list(shape)}")
+        shape = shape[1:]
+        what = f"[3, {what}]"
+    ok = len(shape) == len(tokens) and shape[-1] == tokens[-1] and all(
+        s in (1, t) for s, t in zip(shape[:-1], tokens[:-1]))
+    if not ok:
+        raise ValueError(f"{name} must have shape {what}, got {list(positions.shape)}")
+
+
+def _cache_dtypes(act: torch.dtype) -> tuple:
+    return (act, *FP8_CACHE_DTYPES)
+
+
+def check_bhsd(query, key, value, position_ids, key_cache, value_cache, cache_position,
+               q_norm_weight, k_norm_weight, inv_freq, rms_norm_eps, opts: Options) -> Options:
+    """Checks of the [B, H, S, D] entry point; raises TypeError/ValueError naming the
+    argument; returns the canonical options."""
+    tensor_arg("query", query, 4, ACTIVATION_DTYPES)
+    tensor_arg("key_cache", key_cache, 4, _cache_dtypes(query.dtype))
+    tensor_arg("value_cache", value_cache, 4, _cache_dtypes(query.dtype))
+    tensor_arg("cache_position", cache_position, 1, INDEX_DTYPES)
+    B, Hq, S, D = query.shape
+    if B > 65535:  # the batch is the launch grid's z dimension
+        raise ValueError(f"query batch must be <= 65535, got {B}; split the batch or use "
+                         "qkrope.fused_qk_norm_rope_paged (token-major)")
+    Hkv = key.shape[1] if isinstance(key, torch.Tensor) and key.dim() == 4 else 1
+    opts = _check_common(query, key, value, key_cache, value_cache, q_norm_weight,
+                         k_norm_weight, inv_freq, rms_norm_eps, opts, Hq, Hkv, D,
+                         {"position_ids": position_ids, "cache_position": cache_position})
+    if B < 1 or S < 1:
+        raise ValueError(f"query must be non-empty, got {list(query.shape)}")
+    _shape("key", key, (B, Hkv, S, D), "[B, Hkv, S, D] matching query's B, S, D")
+    _shape("value", value, (B, Hkv, S, D), "[B, Hkv, S, D] like key")
+    L = key_cache.shape[2]
+    _shape("key_cache", key_cache, (B, Hkv, L, D), "[B, Hkv, L, D] matching key's B, Hkv, D")
+    _shape("value_cache", value_cache, tuple(key_cache.shape), "the shape of key_cache")
+    _positions("position_ids", position_ids, (B, S), opts, f"[{B}, {S}] or [1, {S}] ([B, S])")
+    _shape("cache_position", cache_position, (S,), "[S]")
+    return opts
+
+
+def check_paged(query, key, value, positions, key_cache, value_cache, slot_mapping,
+                q_norm_weight, k_norm_weight, inv_freq, rms_norm_eps, opts: Options) -> Options:
+    """Checks of the token-major / paged entry point (as :func:`check_bhsd`)."""
+    tensor_arg("query", query, 3, ACTIVATION_DTYPES)
+    tensor_arg("key_cache", key_cache, 4, _cache_dtypes(query.dtype))
+    tensor_arg("value_cache", value_cache, 4, _cache_dtypes(query.dtype))
+    tensor_arg("slot_mapping", slot_mapping, 1, INDEX_DTYPES)
+    if opts.layout not in ("NHD", "HND"):
+        raise ValueError(f"cache_layout must be one of ('NHD', 'HND'), got {opts.layout!r}")
+    T, Hq, D = query.shape
+    Hkv = key.shape[1] if isinstance(key, torch.Tensor) and key.dim() == 3 else 1
+    opts = _check_common(query, key, value, key_cache, value_cache, q_norm_weight,
+                         k_norm_weight, inv_freq, rms_norm_eps, opts, Hq, Hkv, D,
+                         {"positions": positions, "slot_mapping": slot_mapping})
+    if T < 1:
+        raise ValueError(f"query must hold T >= 1 tokens, got {list(query.shape)}")
+    _shape("key", key, (T, Hkv, D), "[T, Hkv, D] matching query's T and D")
+    _shape("value", value, (T, Hkv, D), "[T, Hkv, D] like key")
+    nb = key_cache.shape[0]
+    if opts.layout == "NHD":
+        _shape("key_cache", key_cache, (nb, key_cache.shape[1], Hkv, D),
+               "NHD: [num_blocks, block_size, Hkv, D]")
+    else:
+        _shape("key_cache", key_cache, (nb, Hkv, key_cache.shape[2], D),
+               "HND: [num_blocks, Hkv, block_size, D]")
+    _shape("value_cache", value_cache, tuple(key_cache.shape), "the shape of key_cache")
+    _positions("positions", positions, (T,), opts, f"[{T}]")
+    _shape("slot_mapping", slot_mapping, (T,), "[T]")
+    return opts
+
+
+def check_out(name: str, out, like: torch.Tensor) -> None:
+    """A caller's ``query_out`` / ``key_out``: a tensor of ``like``'s shape, dtype and device."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(out).__name__}")
+    if tuple(out.shape) != tuple(like.shape):
+        raise ValueError(f"{name} must have shape {list(like.shape)}, got {list(out.shape)}")
+    if out.dtype != like.dtype:
+        raise TypeError(f"{name} must be {dtype_name(like.dtype)}, got {dtype_name(out.dtype)}")
+    if out.device != like.device:
+        raise ValueError(f"{name} must be on {like.device}, got {out.device}")
+
+
+def head_count(name: str, n) -> int:
+    """A positive int head count (``split_packed_qkv``'s arguments)."""
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+        raise TypeError(f"{name} must be a positive int, got {n!r}")
+    return int(n)
+
+
+#: The twelve tensors of a call in the kernel's order, as each entry point names them.
+_NAMES = {"bhsd": ("query", "key", "value", "position_ids", "key_cache", "value_cache",
+                   "cache_position", "q_norm_weight", "k_norm_weight", "inv_freq", "query_out",
+                   "key_out"),
+          "paged": ("query", "key", "value", "positions", "key_cache", "value_cache",
+                    "slot_mapping", "q_norm_weight", "k_norm_weight", "inv_freq", "query_out",
+                    "key_out")}
+
+
+def refuse_autograd(layout: str, tensors: tuple) -> None:
+    """The op has no backward: refuse what autograd would record rather than return outputs
+    cut off from the graph (wrong, silent gradients). Under torch.compile this runs at trace
+    time, guarded on grad mode and ``requires_grad``."""
+    if not torch.is_grad_enabled():
+        return
+    for name, t in zip(_NAMES["bhsd" if layout == "bhsd" else "paged"], tensors):
+        if t.requires_grad:
+            raise RuntimeError(
+                f"{name} requires grad, but qkrope's fused op has no backward (autograd): call "
+                f"it under torch.no_grad() / torch.inference_mode(), or pass {name}.detach()")
+
+
+def check_overlap(layout: str, tensors: tuple, k_scale, v_scale) -> None:
+    """Outputs and caches share memory with no other argument, nor with themselves
+    (``ValueError`` naming both; docs/design.md, "Overlap rule"); ``tensors``: the twelve of
+    :data:`_NAMES` in the kernel's order. ``query_out`` may be ``query`` itself (and
+    ``key_out`` ``key``). Runs on every checked launch, also inside a compiled graph (memory
+    is known only when the call runs)."""
+    names = _NAMES["bhsd" if layout == "bhsd" else "paged"]
+    by_name = dict(zip(names, tensors))
+    written = ("query_out", "key_out", "key_cache", "value_cache")
+    check_disjoint({n: by_name[n] for n in written},
+                   {**{n: t for n, t in by_name.items() if n not in written},
+                    "k_scale": k_scale, "v_scale": v_scale},
+                   identical_ok=(("query_out", "query"), ("key_out", "key")))
