@@ -109,13 +109,25 @@ def test_native_outputs_match_python(module, given):
             assert type(addr) is int and addr == out.data_ptr()
 
 
+def test_native_outputs_take_any_number_of_pairs(module):
+    # KernelLauncher declares its outputs by name: one (like, given) pair per output.
+    a, b, c = torch.randn(3, 5), torch.randn(2, 4).half(), torch.randn(7).t()
+    given = torch.empty(2, 4, dtype=torch.half)
+    out = module.outputs(a, b, c, None, given, None)
+    assert len(out) == 6 and out[1] is given
+    for o, like, addr in zip(out[:3], (a, b, c), out[3:]):
+        assert (o.shape, o.dtype) == (like.shape, like.dtype) and addr == o.data_ptr()
+    (one, addr), = [module.outputs(a, None)]
+    assert one.shape == a.shape and addr == one.data_ptr()
+
+
 def test_native_outputs_raise_torch_errors(module):
     """An allocation failure reaches Python as torch's exception (not a crash, not None)."""
     huge = torch.empty(1).expand(2**62)  # 2**64 bytes: no allocator can
     with pytest.raises(RuntimeError):
         module.outputs(huge, huge, None, None)
-    with pytest.raises(TypeError):
-        module.outputs(huge, huge)
+    with pytest.raises(TypeError):  # like_1..like_n, given_1..given_n: an even count
+        module.outputs(huge, huge, None)
 
 
 def test_param_kinds_follow_tritons_abi():

@@ -47,8 +47,8 @@ current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 
 # Triton's interpreter keeps global state: launches from several threads must not interleave.
 _interpreter_lock = threading.Lock()
-# The range of eps the fast path passes on unchecked: 0 or a normal float32 (the kernel's
-# type); anything else takes the checked path, which names it.
+# The per-call scalars the fast path passes on unchecked: 0 or a positive normal float32 (the
+# kernel's type); anything else takes the checked path, which judges it.
 _FP32_TINY, _FP32_MAX = 2.0**-126, 3.4028234663852886e38
 _warned: set[str] = set()
 
@@ -128,31 +128,38 @@ class Plan(NamedTuple):
 class KernelLauncher:
     """One @triton.jit kernel, the names of its per-call parameters, and its native plans.
 
-    ``per_call``: the kernel parameters whose values change from call to call (tensor
-    addresses, runtime scalars), in the order the fast path passes them; every other parameter
-    is fixed by the call's signature. ``written``: the pointer parameters the kernel stores
-    through; ``in_place``: (written, read) pairs that may be the very same view. A fast call
-    whose written tensors may share memory with any other argument (``_overlap.py``'s rules,
-    run natively) takes the checked path, which names the arguments.
+    ``per_call``: the kernel parameters whose values change from call to call, in the order
+    the fast path passes them: input tensors' addresses, then the outputs' (``outputs``), then
+    runtime scalars; every other parameter is fixed by the call's signature. ``outputs``:
+    (output, input) parameter pairs: the fast path allocates each output the caller does not
+    give, contiguous, with the shape and dtype of its input. ``written``: the pointer parameters
+    the kernel stores through; ``in_place``: (written, read) pairs that may be the very same
+    view. A fast call whose written tensors may share memory with any other argument
+    (``_overlap.py``'s rules, run natively) takes the checked path, which names the arguments.
     """
 
     MAX_PLANS = 4096
 
     def __init__(self, kernel, per_call: Sequence[str], written: Sequence[str] = (),
-                 in_place: Sequence[tuple[str, str]] = ()):
-        missing = (set(per_call) - set(kernel.arg_names)) | (
-            {*written, *(n for pair in in_place for n in pair)} - set(per_call))
+                 in_place: Sequence[tuple[str, str]] = (),
+                 outputs: Sequence[tuple[str, str]] = ()):
+        named = {*written, *(n for pair in (*in_place, *outputs) for n in pair)}
+        missing = (set(per_call) - set(kernel.arg_names)) | (named - set(per_call))
         if missing:
             raise ValueError(f"not per-call parameters of {kernel.fn.__name__}: "
                              f"{sorted(missing)}")
         self.kernel = kernel
         self.per_call = tuple(per_call)
         index = self.per_call.index
+        n_in = index(outputs[0][0]) if outputs else len(self.per_call)
+        if [o for o, _ in outputs] != list(self.per_call[n_in:n_in + len(outputs)]) or any(
+                index(like) >= n_in for _, like in outputs):
+            raise ValueError("outputs must follow the input tensors in per_call, each shaped "
+                             "like an input")
         self.rules = bytes([len(written), *map(index, written), len(in_place),
                             *(index(n) for pair in in_place for n in pair)])
-        # The written inputs of fast_call (the outputs come after the inputs in per_call).
-        self._written_inputs = tuple(index(n) for n in written
-                                     if index(n) < len(self.per_call) - 3)
+        self._likes = tuple(index(like) for _, like in outputs)
+        self._written_inputs = tuple(index(n) for n in written if index(n) < n_in)
         self.plans: dict = {}
 
     def launch(self, grid: tuple, args: dict, meta: dict, device: torch.device):
@@ -181,31 +188,32 @@ class KernelLauncher:
         except TypeError:  # an unhashable option: the checked path reports it
             return None
 
-    def fast_call(self, options, inputs: Sequence, query, key, query_out, key_out, eps):
-        """The whole fast path of an op whose per-call values are the ``inputs``' addresses,
-        then ``query_out``'s and ``key_out``'s, then ``eps``: returns ``(query_out, key_out)``,
-        or None where a checked call is needed (no plan yet, or an argument to check)."""
+    def fast_call(self, options, inputs: Sequence, outs: Sequence, scalars: Sequence):
+        """The whole fast path: ``inputs``, ``outs`` (the caller's outputs, None where the
+        fast path allocates one) and ``scalars`` in ``per_call``'s order. Returns the outputs,
+        or None where a checked call is needed (no plan yet, an argument to check, a scalar
+        other than 0 or a positive normal float32)."""
         read = _native.signature_fn()
         if read is None or not self.plans:
             return None
-        packed = read(self.rules, *inputs, query_out, key_out)
+        packed = read(self.rules, *inputs, *outs)
         if packed is None:
             return None
         try:
             plan = self.plans.get((options, packed[0]))
         except TypeError:  # an unhashable option: the checked path reports it
             return None
-        if plan is None or type(eps) is not float or not (
-                eps == 0.0 or _FP32_TINY <= eps <= _FP32_MAX):
+        if plan is None or not all(
+                type(x) is float and (x == 0.0 or _FP32_TINY <= x <= _FP32_MAX) for x in scalars):
             return None
-        addresses = packed[1]
-        query_out, key_out, *addresses[-2:] = _native.outputs_fn()(query, key, query_out, key_out)
-        plan.launch((*addresses, eps))
+        addresses, n = packed[1], len(outs)
+        made = _native.outputs_fn()(*(inputs[i] for i in self._likes), *outs)
+        outs, addresses[-n:] = made[:n], made[n:]
+        plan.launch((*addresses, *scalars))
         # As torch's own in-place ops do: a tensor saved for backward and overwritten here
         # makes that backward raise instead of using stale values.
-        torch._C._increment_version((*(inputs[i] for i in self._written_inputs), query_out,
-                                     key_out))
-        return query_out, key_out
+        torch._C._increment_version((*(inputs[i] for i in self._written_inputs), *outs))
+        return outs
 
     def remember(self, key, compiled, grid: tuple, args: dict, meta: dict,
                  device_index: int) -> None:

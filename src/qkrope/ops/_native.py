@@ -94,8 +94,8 @@ def signature_fn():
 
 
 def outputs_fn():
-    """The native ``outputs(query, key, query_out, key_out) -> (query_out, key_out, address,
-    address)`` once loaded and enabled, else None (never blocks)."""
+    """The native ``outputs(like_1..like_n, given_1..given_n) -> (out_1..out_n, address_1..
+    address_n)`` once loaded and enabled, else None (never blocks)."""
     return _state["outputs"] if _state["enabled"] else None
 
 

@@ -212,34 +212,45 @@ static PyObject* qk_signature(PyObject*, PyObject* const* all_args, Py_ssize_t a
   return out;
 }
 
-// outputs(query, key, query_out, key_out) -> (query_out, key_out, address, address): each
+// outputs(like_1..like_n, given_1..given_n) -> (out_1..out_n, address_1..address_n): each
 // output not given (None) is allocated contiguous with the shape and options of its input, as
 // torch.empty_like(x, memory_format=torch.contiguous_format) does, in one call with no Python
-// argument parsing (measured: docs/perf-notes.md, runs 12-13). Called only after signature()
-// accepted all four, so each is a plain tensor or None.
+// argument parsing (docs/design.md, "Native launch route"). The ops declare which input each
+// output is shaped like (KernelLauncher's ``outputs``). Called only after signature() accepted
+// the given ones, so each is a plain tensor or None.
 static PyObject* qk_outputs(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS  // c10 errors (e.g. out of memory) reach Python as torch's own exceptions
-  if (nargs != 4) {
-    PyErr_SetString(PyExc_TypeError, "outputs(query, key, query_out, key_out)");
+  if (nargs < 2 || nargs % 2) {
+    PyErr_SetString(PyExc_TypeError, "outputs(like_1..like_n, given_1..given_n)");
     return nullptr;
   }
-  THPObjectPtr outs[2];
-  unsigned long long addrs[2];
-  for (int i = 0; i < 2; ++i) {
-    PyObject* given = args[2 + i];
+  const Py_ssize_t n = nargs / 2;
+  THPObjectPtr result(PyTuple_New(2 * n));
+  if (!result) return nullptr;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* given = args[n + i];
+    PyObject* out;
+    unsigned long long addr;
     if (given != Py_None) {
-      addrs[i] = reinterpret_cast<uintptr_t>(THPVariable_Unpack(given).const_data_ptr());
+      addr = reinterpret_cast<uintptr_t>(THPVariable_Unpack(given).const_data_ptr());
       Py_INCREF(given);
-      outs[i] = given;
+      out = given;
     } else {
       const at::Tensor& like = THPVariable_Unpack(args[i]);
       at::Tensor t = at::empty(like.sizes(), like.options());
-      addrs[i] = reinterpret_cast<uintptr_t>(t.const_data_ptr());
-      outs[i] = THPVariable_Wrap(std::move(t));
-      if (!outs[i]) return nullptr;
+      addr = reinterpret_cast<uintptr_t>(t.const_data_ptr());
+      out = THPVariable_Wrap(std::move(t));
+      if (!out) return nullptr;
     }
+    PyObject* a = PyLong_FromUnsignedLongLong(addr);
+    if (!a) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(result.get(), i, out);  // steals the references
+    PyTuple_SET_ITEM(result.get(), n + i, a);
   }
-  return Py_BuildValue("(NNKK)", outs[0].release(), outs[1].release(), addrs[0], addrs[1]);
+  return result.release();
   END_HANDLE_TH_ERRORS
 }
 
@@ -535,7 +546,7 @@ static PyMethodDef methods[] = {
     {"overlap_ok", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(qk_overlap_ok)),
      METH_FASTCALL, "overlap_ok(rules, *tensors) -> bool (the signature's overlap rule alone)"},
     {"outputs", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(qk_outputs)),
-     METH_FASTCALL, "outputs(query, key, query_out, key_out) -> (query_out, key_out, int, int)"},
+     METH_FASTCALL, "outputs(like_1..like_n, given_1..given_n) -> (out_1..out_n, int_1..int_n)"},
     {"make_launch", qk_make_launch, METH_VARARGS,
      "make_launch(function, gx, gy, gz, block, shared, device, kinds, values, varying"
      "[, check_driver]) -> plan | None"},

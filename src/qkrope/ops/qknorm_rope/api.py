@@ -118,7 +118,7 @@ def fused_rope_with_qk_norm_and_kv_cache_update(
             else _fast_scales(k_scale, v_scale, query)) is not None:
         out = LAUNCHER.fast_call(opts, (query, key, value, position_ids, key_cache, value_cache,
                                         cache_position, q_norm_weight, k_norm_weight, inv_freq,
-                                        *scales), query, key, query_out, key_out, rms_norm_eps)
+                                        *scales), (query_out, key_out), (rms_norm_eps,))
         if out is not None:
             return (*out, key_cache, value_cache)
     checked = check_bhsd(query, key, value, position_ids, key_cache, value_cache,
@@ -195,7 +195,7 @@ def fused_qk_norm_rope_paged(
             else _fast_scales(k_scale, v_scale, query)) is not None:
         out = LAUNCHER.fast_call(opts, (query, key, value, positions, key_cache, value_cache,
                                         slot_mapping, q_norm_weight, k_norm_weight, inv_freq,
-                                        *scales), query, key, query_out, key_out, rms_norm_eps)
+                                        *scales), (query_out, key_out), (rms_norm_eps,))
         if out is not None:
             return out
     checked = check_paged(query, key, value, positions, key_cache, value_cache, slot_mapping,

@@ -25,7 +25,8 @@ PER_CALL = ("q_ptr", "k_ptr", "v_ptr", "pos_ptr", "k_cache_ptr", "v_cache_ptr", 
             "q_out_ptr", "k_out_ptr", "eps")
 LAUNCHER = KernelLauncher(qknorm_rope_kernel, PER_CALL,
                           written=("k_cache_ptr", "v_cache_ptr", "q_out_ptr", "k_out_ptr"),
-                          in_place=(("q_out_ptr", "q_ptr"), ("k_out_ptr", "k_ptr")))
+                          in_place=(("q_out_ptr", "q_ptr"), ("k_out_ptr", "k_ptr")),
+                          outputs=(("q_out_ptr", "q_ptr"), ("k_out_ptr", "k_ptr")))
 
 
 # --------------------------------------------------------------------------------------------

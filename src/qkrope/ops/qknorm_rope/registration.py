@@ -46,7 +46,7 @@ def _qknorm_rope(
     opts = _options(options)
     inputs = (query, key, value, positions, key_cache, value_cache, slots, q_norm_weight,
               k_norm_weight, inv_freq, k_scale, v_scale)
-    if LAUNCHER.fast_call(opts, inputs, query, key, query_out, key_out, rms_norm_eps) is None:
+    if LAUNCHER.fast_call(opts, inputs, (query_out, key_out), (rms_norm_eps,)) is None:
         # The fast path runs the overlap rules natively; a checked launch runs them here.
         check_overlap(opts.layout, (*inputs[:10], query_out, key_out), k_scale, v_scale)
         signature = LAUNCHER.signature(opts, (*inputs, query_out, key_out))
