@@ -22,6 +22,7 @@ and one warning says so.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import warnings
 from collections.abc import Sequence
@@ -215,11 +216,16 @@ class KernelLauncher:
         torch._C._increment_version((*(inputs[i] for i in self._written_inputs), *outs))
         return outs
 
-    def remember(self, key, compiled, grid: tuple, args: dict, meta: dict,
+    def remember(self, options, inputs: Sequence, outs: Sequence, launched: tuple,
                  device_index: int) -> None:
-        """After a checked launch that returned ``compiled``, keep a native plan for ``key``
-        (no-op where the native route is not in use). ``key`` is None until the native
-        signature reader is loaded: the first such launch starts building it."""
+        """After a checked launch of ``inputs`` and ``outs`` (as :meth:`fast_call` takes them)
+        that returned ``launched`` = ``(compiled, grid, args, meta)``, keep a native plan for
+        the call's signature (no-op where the native route is not in use; the first such
+        launch starts building the native helpers). Where an output is what the fast path would
+        allocate for it (contiguous, its input's shape and dtype, 16-byte aligned), the plan
+        also serves the signature with that output absent: an eager call that leaves it to the
+        op takes the plan (docs/design.md, "Native launch route")."""
+        compiled, grid, args, meta = launched
         if compiled is None or interpreting():
             return
         if not _triton_verified():
@@ -228,14 +234,19 @@ class KernelLauncher:
         if not _no_launch_hooks():
             return
         _native.start_build()  # later calls use it once built
-        if key is None:
+        found = self.signature(options, (*inputs, *outs))
+        if found is None:
             return
         plan = self._native_plan(compiled, grid, args, meta, device_index)
         if plan is None:
             return
         if len(self.plans) >= self.MAX_PLANS:
             self.plans.clear()
-        self.plans[key] = Plan(plan, device_index, _native.module().launch)
+        self.plans[found[0]] = plan = Plan(plan, device_index, _native.module().launch)
+        for absent in itertools.product(*(((o, None) if _allocated_like(o, inputs[i]) else (o,))
+                                          for o, i in zip(outs, self._likes))):
+            if None in absent and (key := self.signature(options, (*inputs, *absent))):
+                self.plans[key[0]] = plan
 
     def _native_plan(self, compiled, grid, args: dict, meta: dict, device_index: int):
         """A native launch plan for ``compiled``, or None where the native helpers are not
@@ -261,6 +272,13 @@ class KernelLauncher:
         grid = (*grid, 1, 1)[:3]
         return module.make_launch(compiled.function, *grid, 32 * md.num_warps, md.shared,
                                   device_index, kinds, (*values, None, None), varying)
+
+
+def _allocated_like(out: torch.Tensor, like: torch.Tensor) -> bool:
+    """Whether ``out`` is what the native ``outputs()`` allocates for ``like``: a kernel
+    specialised on ``out`` is the one for any such fresh allocation."""
+    return (out.shape == like.shape and out.dtype == like.dtype and out.device == like.device
+            and out.is_contiguous() and out.data_ptr() % 16 == 0)
 
 
 def _address(x):

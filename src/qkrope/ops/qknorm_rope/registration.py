@@ -49,10 +49,8 @@ def _qknorm_rope(
     if LAUNCHER.fast_call(opts, inputs, (query_out, key_out), (rms_norm_eps,)) is None:
         # The fast path runs the overlap rules natively; a checked launch runs them here.
         check_overlap(opts.layout, (*inputs[:10], query_out, key_out), k_scale, v_scale)
-        signature = LAUNCHER.signature(opts, (*inputs, query_out, key_out))
-        result = launch(*inputs, query_out, key_out, rms_norm_eps, opts)
-        LAUNCHER.remember(None if signature is None else signature[0], *result,
-                          query.get_device())
+        launched = launch(*inputs, query_out, key_out, rms_norm_eps, opts)
+        LAUNCHER.remember(opts, inputs, (query_out, key_out), launched, query.get_device())
         torch._C._increment_version((key_cache, value_cache, query_out, key_out))
 
 
