@@ -275,10 +275,18 @@ class KernelLauncher:
 
 
 def _allocated_like(out: torch.Tensor, like: torch.Tensor) -> bool:
-    """Whether ``out`` is what the native ``outputs()`` allocates for ``like``: a kernel
-    specialised on ``out`` is the one for any such fresh allocation."""
-    return (out.shape == like.shape and out.dtype == like.dtype and out.device == like.device
-            and out.is_contiguous() and out.data_ptr() % 16 == 0)
+    """Whether ``out`` has the signature of what the native ``outputs()`` allocates for
+    ``like`` (its shape, dtype and device, row-major strides to the last one, including those
+    of size-1 dims, which ``is_contiguous`` ignores, and a 16-byte aligned address): a kernel
+    specialised on ``out`` is then the one for any such fresh allocation."""
+    if out.shape != like.shape or out.dtype != like.dtype or out.device != like.device:
+        return False
+    stride = 1
+    for size, got in zip(reversed(out.shape), reversed(out.stride())):
+        if got != stride:
+            return False
+        stride *= size
+    return out.data_ptr() % 16 == 0
 
 
 def _address(x):
