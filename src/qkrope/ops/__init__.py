@@ -1,7 +1,7 @@
 """One folder per op (``api.py``, ``checks.py``, ``registration.py``, ``launcher.py``,
 ``kernel.py``, ``reference.py``); ``_custom_op.py`` registers any op for torch.compile;
 ``_launch.py`` launches compiled kernels for every op (Triton's public launch and the native
-fast path of ``_native.py`` / ``csrc/fast_path.cpp``)."""
+fast path of ``_native.py`` / ``csrc/``)."""
 
 
 def launch_route() -> str:

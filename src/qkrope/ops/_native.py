@@ -1,4 +1,5 @@
-"""The native helpers of the direct-launch fast path (``csrc/fast_path.cpp``): built once per
+"""The native helpers of the direct-launch fast path (``csrc/fast_path.cpp`` +
+``csrc/launch_plan.cpp``, one translation unit): built once per
 machine in a separate process, loaded at a call boundary once ready.
 
 What: a small C++ extension that does, each in one call, what the eager fast path otherwise does
@@ -62,7 +63,10 @@ BUILD_DEADLINE = 900.0
 # A private directory this old is removed whatever its builder's state (pid reuse, zombies).
 _STALE_AFTER = 3600.0
 _PRIVATE_PREFIX = "build-"
-_SOURCE = Path(__file__).with_name("csrc") / "fast_path.cpp"
+# One translation unit in two files, joined in this order: the signature, overlap and outputs
+# helpers, then the launch plans and the module's function table.
+_SOURCES = tuple(Path(__file__).with_name("csrc") / f
+                 for f in ("fast_path.cpp", "launch_plan.cpp"))
 _CFLAGS = ("-O2",)
 _LDFLAGS = ("-ldl",)
 _FUNCTIONS = ("signature", "outputs", "make_launch", "launch")
@@ -249,9 +253,14 @@ def _cache_root() -> Path:
     return Path(base).expanduser() / "qkrope" / "native"
 
 
+def _source() -> str:
+    """The helper's C++ source: the files of :data:`_SOURCES`, joined."""
+    return "".join(f.read_text() for f in _SOURCES)
+
+
 def _module_name(source: str | None = None) -> str:
     """The extension's module name (its ``PyInit_`` symbol, hence also its cache key)."""
-    source = _SOURCE.read_text() if source is None else source
+    source = _source() if source is None else source
     key = "\0".join((source, repr((_CFLAGS, _LDFLAGS)), torch.__version__, sys.version,
                      platform.machine()))
     return "qkrope_native_" + hashlib.sha256(key.encode()).hexdigest()[:16]
@@ -430,7 +439,7 @@ def _build_main(private: Path, reject: str | None) -> int:
         from filelock import FileLock
 
         root = private.parent
-        source = _SOURCE.read_text()
+        source = _source()
         name = _module_name(source)
         final = root / f"{name}.so"
         with FileLock(str(root / f"{name}.lock"), timeout=BUILD_DEADLINE):
