@@ -4,8 +4,8 @@ Its body is what every launch runs, eager or inside a compiled graph: the native
 a signature it has seen (``KernelLauncher.fast_call``: no Python checks, one ``cuLaunchKernel``),
 else the overlap check and the checked launch, which keeps a plan for that signature. Inside a
 compiled graph the arguments were checked when the graph was traced, so each call costs what
-an eager fast-path call does plus the dispatcher (docs/design.md, "Compile route"). One direction: public
-function -> checks -> this op -> the launch.
+an eager fast-path call does plus the dispatcher (docs/design.md, "Compile route"). One
+direction: public function -> checks -> this op -> the launch.
 """
 
 from __future__ import annotations
