@@ -39,7 +39,7 @@ def test_opcheck():
     args = make_inputs(Case(S=3, seed=5))
     outs = (torch.empty_like(args[0]), torch.empty_like(args[1]))
     torch.library.opcheck(torch.ops.qkrope.qknorm_rope.default,
-                          (*args[:10], None, None, *outs, args[10],
+                          (*args[:10], None, None, None, *outs, args[10],
                            options_key(Options(rotary_dim=args[0].shape[-1]))))
 
 
@@ -83,7 +83,7 @@ def test_paged_opcheck():
     args, _ = make(PCase(seed=8, style="gptj", rotary_dim=32))
     outs = (torch.empty_like(args[0]), torch.empty_like(args[1]))
     torch.library.opcheck(torch.ops.qkrope.qknorm_rope.default,
-                          (*args[:10], None, None, *outs, args[10],
+                          (*args[:10], None, None, None, *outs, args[10],
                            options_key(Options("NHD", "gptj", 32))))
 
 

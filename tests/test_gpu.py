@@ -113,7 +113,7 @@ def test_native_launch_plans_are_used_and_exact():
     expected = qkrope.run(*args, query_out=poisoned_like(args[0]), key_out=poisoned_like(args[1]))
     q_out, k_out = poisoned_like(args[0]), poisoned_like(args[1])
     key, addresses = LAUNCHER.signature(Options(rotary_dim=128),  # the canonical options
-                                        (*args[:10], None, None, q_out, k_out))
+                                        (*args[:10], None, None, None, q_out, k_out))
     assert LAUNCHER.find(key) is plan
     errors = []
 

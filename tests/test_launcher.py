@@ -153,13 +153,14 @@ def test_fast_path_passes_what_triton_got(fake, name):
     assert stream == 1234
     expected = triton_params(FakeJit.arg_names, triton_args,
                              {n: _triton_type(triton_args[n]) for n in FakeJit.arg_names})
-    if "k_scale" not in kwargs:  # unscaled: Triton got a dummy pointer, the plan null
-        expected, params = _null_scales(expected, triton_args), _null_scales(params, triton_args)
-    assert params == expected
+    # Absent scales: Triton got a dummy pointer, the plan a null one (never read).
+    absent = [f"{n}_ptr" for n in ("k_scale", "v_scale", "q_scale") if n not in kwargs]
+    expected = _null_scales(expected, triton_args, absent)
+    assert _null_scales(params, triton_args, absent) == expected
 
 
-def _null_scales(params: bytes, triton_args) -> bytes:
-    """Zero the (unread) scale pointer slots of an unscaled call."""
+def _null_scales(params: bytes, triton_args, names) -> bytes:
+    """Zero the parameter slots ``names`` (the absent scales' pointers)."""
     offset = 0
     out = bytearray(params)
     for n in FakeJit.arg_names:
@@ -167,7 +168,7 @@ def _null_scales(params: bytes, triton_args) -> bytes:
         if kind == "c":
             continue
         size = struct.calcsize(_FORMATS[kind])
-        if n in ("k_scale_ptr", "v_scale_ptr"):
+        if n in names:
             out[offset:offset + size] = bytes(size)
         offset += size
     return bytes(out)

@@ -58,6 +58,7 @@ def fused_rope_with_qk_norm_and_kv_cache_update(
     mrope_interleaved: bool = False,
     k_scale: float | torch.Tensor | None = None,
     v_scale: float | torch.Tensor | None = None,
+    q_scale: float | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-head RMSNorm on Q and K, RoPE on both, and the K/V cache write, in one launch.
 
@@ -82,9 +83,10 @@ def fused_rope_with_qk_norm_and_kv_cache_update(
         inplace: True (default) writes the S rows into ``key_cache``/``value_cache`` and returns
             those same tensors: one launch, no cache copy. False leaves them untouched and returns
             fresh copies with the rows written (costs a full copy of both caches).
-        query_out, key_out: optional preallocated outputs ([B, Hq, S, D] / [B, Hkv, S, D], dtype
-            of ``query``, any strides) for allocation-free calls (CUDA graphs). ``query_out`` may
-            be ``query`` itself (and ``key_out`` ``key``); no other overlap is allowed.
+        query_out, key_out: optional preallocated outputs ([B, Hq, S, D] / [B, Hkv, S, D], any
+            strides) for allocation-free calls (CUDA graphs), of ``query``'s dtype or
+            ``float8_e4m3fn`` (quantised output, with ``q_scale`` / ``k_scale``). ``query_out``
+            may be ``query`` itself (and ``key_out`` ``key``); no other overlap is allowed.
         validate: also raise ``ValueError`` when ``cache_position`` leaves ``[0, L)`` or an FP8
             scale tensor holds a value that is not finite and > 0 (costs a host sync, so it is
             off by default and such rows are skipped silently).
@@ -104,9 +106,12 @@ def fused_rope_with_qk_norm_and_kv_cache_update(
             rotary_dim/2; each frequency rotates by the position of its stream.
         mrope_interleaved: False: contiguous sections (Qwen2-VL); True: interleaved T H W T H W
             ... with T beyond the H and W sections (Qwen3-VL, Qwen3.5).
-        k_scale, v_scale: FP8 caches only, required there: Python float, or float32 tensor of
-            1 (per tensor) or Hkv (per head) elements. Stored value = saturate(x / scale) to
-            +-448, nearest even, NaN kept (vLLM's convention); read back as stored * scale.
+        k_scale, v_scale: the scales of FP8 K (an FP8 ``key_cache`` and/or ``key_out``) and
+            of an FP8 ``value_cache``, required there and refused elsewhere: Python float, or
+            float32 tensor of 1 (per tensor) or Hkv (per head) elements. Stored value =
+            saturate(x / scale) to +-448 from the rotated row in the activation dtype, nearest
+            even, NaN kept (vLLM's convention); read back as stored * scale.
+        q_scale: the scale of an FP8 ``query_out`` (1 or Hq elements), as ``k_scale``.
 
     Returns:
         ``(query_rotated, key_rotated, key_cache_out, value_cache_out)``.
@@ -114,8 +119,8 @@ def fused_rope_with_qk_norm_and_kv_cache_update(
     opts = _fast_key("bhsd", rotary_style, rotary_dim, norm_weight_offset, norm_rounding,
                      cos_sin_scale, mrope_section, mrope_interleaved, query)
     if inplace and not validate and not torch.compiler.is_compiling() and (
-            scales := _NO_SCALES if k_scale is None and v_scale is None
-            else _fast_scales(k_scale, v_scale, query)) is not None:
+            scales := _NO_SCALES if k_scale is None and v_scale is None and q_scale is None
+            else _fast_scales((k_scale, v_scale, q_scale), query)) is not None:
         out = LAUNCHER.fast_call(opts, (query, key, value, position_ids, key_cache, value_cache,
                                         cache_position, q_norm_weight, k_norm_weight, inv_freq,
                                         *scales), (query_out, key_out), (rms_norm_eps,))
@@ -128,8 +133,9 @@ def fused_rope_with_qk_norm_and_kv_cache_update(
         key_cache, value_cache = key_cache.clone(), value_cache.clone()
     query_out, key_out = _checked_call(
         checked, (query, key, value, position_ids, key_cache, value_cache, cache_position,
-                  q_norm_weight, k_norm_weight, inv_freq), k_scale, v_scale, query_out,
-        key_out, rms_norm_eps, validate, rows_bound=key_cache.shape[2], rows_name="cache_position")
+                  q_norm_weight, k_norm_weight, inv_freq), (k_scale, v_scale, q_scale),
+        query_out, key_out, rms_norm_eps, validate, rows_bound=key_cache.shape[2],
+        rows_name="cache_position")
     return query_out, key_out, key_cache, value_cache
 
 
@@ -156,6 +162,7 @@ def fused_qk_norm_rope_paged(
     mrope_interleaved: bool = False,
     k_scale: float | torch.Tensor | None = None,
     v_scale: float | torch.Tensor | None = None,
+    q_scale: float | torch.Tensor | None = None,
     query_out: torch.Tensor | None = None,
     key_out: torch.Tensor | None = None,
     validate: bool = False,
@@ -178,10 +185,11 @@ def fused_qk_norm_rope_paged(
             ``slot % block_size``. Slots < 0 (CUDA-graph padding) or past the cache are skipped.
         q_norm_weight, k_norm_weight, inv_freq, rms_norm_eps, rotary_style, rotary_dim,
         norm_weight_offset, norm_rounding, cos_sin_scale, mrope_section, mrope_interleaved,
-        k_scale, v_scale: as in :func:`fused_rope_with_qk_norm_and_kv_cache_update`.
+        k_scale, v_scale, q_scale: as in :func:`fused_rope_with_qk_norm_and_kv_cache_update`.
         cache_layout: ``"NHD"`` (vLLM's default) or ``"HND"``.
-        query_out, key_out: optional preallocated outputs of the input shapes; ``query_out``
-            may be ``query`` itself (and ``key_out`` ``key``); no other overlap is allowed.
+        query_out, key_out: optional preallocated outputs of the input shapes, of the input
+            dtype or ``float8_e4m3fn`` (with ``q_scale`` / ``k_scale``); ``query_out`` may be
+            ``query`` itself (and ``key_out`` ``key``); no other overlap is allowed.
         validate: also raise ``ValueError`` for a slot outside the cache or a bad FP8 scale
             value (a host sync).
 
@@ -191,8 +199,8 @@ def fused_qk_norm_rope_paged(
     opts = _fast_key(cache_layout, rotary_style, rotary_dim, norm_weight_offset, norm_rounding,
                      cos_sin_scale, mrope_section, mrope_interleaved, query)
     if not validate and not torch.compiler.is_compiling() and (
-            scales := _NO_SCALES if k_scale is None and v_scale is None
-            else _fast_scales(k_scale, v_scale, query)) is not None:
+            scales := _NO_SCALES if k_scale is None and v_scale is None and q_scale is None
+            else _fast_scales((k_scale, v_scale, q_scale), query)) is not None:
         out = LAUNCHER.fast_call(opts, (query, key, value, positions, key_cache, value_cache,
                                         slot_mapping, q_norm_weight, k_norm_weight, inv_freq,
                                         *scales), (query_out, key_out), (rms_norm_eps,))
@@ -203,25 +211,29 @@ def fused_qk_norm_rope_paged(
     bs = key_cache.shape[1] if checked.layout == "NHD" else key_cache.shape[2]
     return _checked_call(
         checked, (query, key, value, positions, key_cache, value_cache, slot_mapping,
-                        q_norm_weight, k_norm_weight, inv_freq), k_scale, v_scale, query_out,
-        key_out, rms_norm_eps, validate, rows_bound=key_cache.shape[0] * bs,
+                        q_norm_weight, k_norm_weight, inv_freq), (k_scale, v_scale, q_scale),
+        query_out, key_out, rms_norm_eps, validate, rows_bound=key_cache.shape[0] * bs,
         rows_name="slot_mapping")
 
 
-def _checked_call(checked: Options, tensors: tuple, k_scale, v_scale, query_out, key_out,
+def _checked_call(checked: Options, tensors: tuple, scales: tuple, query_out, key_out,
                   rms_norm_eps, validate: bool, rows_bound: int, rows_name: str):
     """The checked path shared by both entry points; ``tensors``: the ten input tensors in
-    the kernel's order, already checked; ``checked``: the canonical options."""
+    the kernel's order, already checked; ``scales``: the caller's ``(k_scale, v_scale,
+    q_scale)``; ``checked``: the canonical options."""
     query, key, key_cache, value_cache = tensors[0], tensors[1], tensors[4], tensors[5]
-    Hkv = key.shape[1]
-    k_sc = scale_tensor("k_scale", k_scale, key_cache, Hkv)
-    v_sc = scale_tensor("v_scale", v_scale, value_cache, Hkv)
-    if validate:
-        rows, k_sc, v_sc = _validate(tensors[6], rows_bound, rows_name, k_sc, v_sc)
-        tensors = (*tensors[:6], rows, *tensors[7:])
+    Hq, Hkv = query.shape[1], key.shape[1]
     query_out, key_out = _outputs(query, key, query_out, key_out)
+    k_scale, v_scale, q_scale = scales
+    scales = (scale_tensor("k_scale", k_scale, {"key_cache": key_cache, "key_out": key_out},
+                           Hkv, "Hkv"),
+              scale_tensor("v_scale", v_scale, {"value_cache": value_cache}, Hkv, "Hkv"),
+              scale_tensor("q_scale", q_scale, {"query_out": query_out}, Hq, "Hq"))
+    if validate:
+        rows, scales = _validate(tensors[6], rows_bound, rows_name, scales)
+        tensors = (*tensors[:6], rows, *tensors[7:])
     refuse_autograd(checked.layout, (*tensors, query_out, key_out))
-    qknorm_rope(*tensors, k_sc, v_sc, query_out, key_out, float(rms_norm_eps),
+    qknorm_rope(*tensors, *scales, query_out, key_out, float(rms_norm_eps),
                 options_key(checked))
     return query_out, key_out
 
@@ -239,14 +251,14 @@ def _fast_key(layout, rotary_style, rotary_dim, norm_weight_offset, norm_roundin
             mrope_section, mrope_interleaved)
 
 
-_NO_SCALES = (None, None)
+_NO_SCALES = (None, None, None)
 
 
-def _fast_scales(k_scale, v_scale, query):
+def _fast_scales(scales, query):
     """The scales as the fast path passes them (a Python float as its cached device tensor),
     or None where only the checked path may judge them."""
     out = []
-    for s in (k_scale, v_scale):
+    for s in scales:
         if s is None or type(s) is torch.Tensor:
             out.append(s)
         elif type(s) is float and FP32_TINY <= s <= FP32_MAX:  # else judged when checked
@@ -256,19 +268,22 @@ def _fast_scales(k_scale, v_scale, query):
     return out
 
 
-def _validate(rows: torch.Tensor, bound: int, name: str, k_scale, v_scale) -> tuple:
+_SCALE_NAMES = ("k_scale", "v_scale", "q_scale")
+
+
+def _validate(rows: torch.Tensor, bound: int, name: str, scales: tuple) -> tuple:
     """``validate=True``: rows/slots inside the cache, FP8 scale values finite and > 0
-    (``ValueError`` naming the argument). Returns ``(rows, k_scale, v_scale)`` for the launch:
-    under torch.compile checked copies, so the checks run in the graph, before the kernel."""
+    (``ValueError`` naming the argument). Returns ``(rows, scales)`` for the launch: under
+    torch.compile checked copies, so the checks run in the graph, before the kernel."""
     if torch.compiler.is_compiling():
         return (validated_rows(rows, bound, name),
-                *(None if s is None else validated_scale(s, n)
-                  for n, s in (("k_scale", k_scale), ("v_scale", v_scale))))
+                tuple(None if s is None else validated_scale(s, n)
+                      for n, s in zip(_SCALE_NAMES, scales)))
     check_rows(rows, bound, name)
-    for n, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+    for n, s in zip(_SCALE_NAMES, scales):
         if s is not None:
             check_scale(s, n)
-    return rows, k_scale, v_scale
+    return rows, scales
 
 
 def _outputs(query, key, query_out, key_out):

@@ -159,29 +159,34 @@ def _check_options(opts: Options, D: int) -> Options:
                          mrope_section=section)
 
 
-def scale_tensor(name: str, scale, cache: torch.Tensor, num_kv_heads: int):
-    """An FP8 cache's scale as a float32 device tensor of 1 or Hkv elements (Python floats are
-    cached per value and device), None for a cache of the activation dtype."""
-    if cache.dtype not in FP8_CACHE_DTYPES:
+def scale_tensor(name: str, scale, users: dict, heads: int, heads_name: str):
+    """The FP8 scale ``name`` of the tensors ``users`` (name -> tensor or None: a cache, an
+    output) as a float32 device tensor of 1 or ``heads`` elements (Python floats are cached per
+    value and device); None where none of them is FP8, which must then come without it."""
+    given = {n: t for n, t in users.items() if t is not None}
+    fp8 = [n for n, t in given.items() if t.dtype in FP8_CACHE_DTYPES]
+    device = next(iter(given.values())).device
+    if not fp8:
         if scale is not None:
-            raise ValueError(f"{name} is only used with a float8_e4m3fn cache, got a "
-                             f"{dtype_name(cache.dtype)} cache")
+            got = ", ".join(f"{n} {dtype_name(t.dtype)}" for n, t in given.items())
+            raise ValueError(f"{name} is only used with a float8_e4m3fn "
+                             f"{' or '.join(users)}, got {got}")
         return None
     if scale is None:
-        raise ValueError(f"{name} is required for a float8_e4m3fn cache (stored = "
-                         f"saturate(x / {name}))")
+        raise ValueError(f"{name} is required for a float8_e4m3fn {' and '.join(fp8)} (stored "
+                         f"= saturate(x / {name}))")
     if isinstance(scale, numbers.Real) and not isinstance(scale, bool):
         if not (math.isfinite(scale) and scale > 0):
             raise ValueError(f"{name} must be finite and > 0, got {scale}")
         _fp32(name, float(scale))  # stored as a float32 tensor
         if torch.compiler.is_compiling():  # traced: a graph constant, not a cached tensor
-            return torch.full((1,), float(scale), dtype=torch.float32, device=cache.device)
-        return scalar_on(float(scale), cache.device)
+            return torch.full((1,), float(scale), dtype=torch.float32, device=device)
+        return scalar_on(float(scale), device)
     if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32:
         raise TypeError(f"{name} must be a Python float or a float32 tensor")
-    if scale.dim() > 1 or scale.numel() not in (1, num_kv_heads) or scale.device != cache.device:
-        raise ValueError(f"{name} must be a 0-d or 1-d tensor of 1 or Hkv={num_kv_heads} "
-                         f"elements on {cache.device}, got shape {list(scale.shape)} on "
+    if scale.dim() > 1 or scale.numel() not in (1, heads) or scale.device != device:
+        raise ValueError(f"{name} must be a 0-d or 1-d tensor of 1 or {heads_name}={heads} "
+                         f"elements on {device}, got shape {list(scale.shape)} on "
                          f"{scale.device}")
     return scale
 
@@ -313,13 +318,15 @@ def check_paged(query, key, value, positions, key_cache, value_cache, slot_mappi
 
 
 def check_out(name: str, out, like: torch.Tensor) -> None:
-    """A caller's ``query_out`` / ``key_out``: a tensor of ``like``'s shape, dtype and device."""
+    """A caller's ``query_out`` / ``key_out``: a tensor of ``like``'s shape and device, of its
+    dtype or float8_e4m3fn (quantised output: its scale is checked with the scales)."""
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor or None, got {type(out).__name__}")
     if tuple(out.shape) != tuple(like.shape):
         raise ValueError(f"{name} must have shape {list(like.shape)}, got {list(out.shape)}")
-    if out.dtype != like.dtype:
-        raise TypeError(f"{name} must be {dtype_name(like.dtype)}, got {dtype_name(out.dtype)}")
+    if out.dtype != like.dtype and out.dtype not in FP8_CACHE_DTYPES:
+        raise TypeError(f"{name} must be {dtype_name(like.dtype)} or float8_e4m3fn, got "
+                        f"{dtype_name(out.dtype)}")
     if out.device != like.device:
         raise ValueError(f"{name} must be on {like.device}, got {out.device}")
 
@@ -353,7 +360,7 @@ def refuse_autograd(layout: str, tensors: tuple) -> None:
                 f"it under torch.no_grad() / torch.inference_mode(), or pass {name}.detach()")
 
 
-def check_overlap(layout: str, tensors: tuple, k_scale, v_scale) -> None:
+def check_overlap(layout: str, tensors: tuple, k_scale, v_scale, q_scale=None) -> None:
     """Outputs and caches share memory with no other argument, nor with themselves
     (``ValueError`` naming both; docs/design.md, "Overlap rule"); ``tensors``: the twelve of
     :data:`_NAMES` in the kernel's order. ``query_out`` may be ``query`` itself (and
@@ -364,5 +371,5 @@ def check_overlap(layout: str, tensors: tuple, k_scale, v_scale) -> None:
     written = ("query_out", "key_out", "key_cache", "value_cache")
     check_disjoint({n: by_name[n] for n in written},
                    {**{n: t for n, t in by_name.items() if n not in written},
-                    "k_scale": k_scale, "v_scale": v_scale},
+                    "k_scale": k_scale, "v_scale": v_scale, "q_scale": q_scale},
                    identical_ok=(("query_out", "query"), ("key_out", "key")))

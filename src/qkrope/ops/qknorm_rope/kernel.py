@@ -18,7 +18,8 @@ Features are constexprs, compiled away when off:
 - ``COS_SIN_SCALE`` multiplies fp32 cos/sin before their rounding (HF's ``attention_scaling``);
 - ``W_OFFSET`` gives ``(offset + w)`` norm weights; ``HF_NORM`` HF's Qwen3RMSNorm rounding;
 - ``PAGED`` addresses the cache by ``(row // block_size, row % block_size)``;
-  ``K_SCALED``/``V_SCALED`` store FP8 as ``saturate(x / scale)``.
+  ``K_SCALED``/``V_SCALED`` (FP8 caches) and ``QO_SCALED``/``KO_SCALED`` (FP8 query/key
+  outputs) store ``saturate(x / scale)`` of the rotated rows.
 
 Interpreter (``TRITON_INTERPRET=1``) rules followed here: loads are upcast to fp32 at once and
 all arithmetic is fp32; every store is masked; libdevice is only reached behind the
@@ -301,31 +302,34 @@ def _round_e4m3(v):
 
 
 @triton.jit
-def _store_cache(cache_ptr, off, vals, mask, scale_ptr, h, Hkv, stride_scale,
-                 SCALED: tl.constexpr, INTERPRETER: tl.constexpr, WIDE: tl.constexpr):
-    """Store rows into a cache; FP8 caches get saturate(x / scale) (vLLM's convention), NaN
-    stored as NaN (a clamp alone would turn an upstream NaN into in-range data)."""
+def _store_scaled(out_ptr, off, vals, mask, scale_ptr, h, H, stride_scale,
+                  SCALED: tl.constexpr, INTERPRETER: tl.constexpr, WIDE: tl.constexpr):
+    """Store rows (a cache's, or a quantised output's); FP8 gets saturate(x / scale) (vLLM's
+    convention), NaN stored as NaN (a clamp alone would turn an upstream NaN into in-range
+    data)."""
     if SCALED:
-        # Per-tensor scales come with stride 0; heads past Hkv in the tile are masked.
-        scale = tl.load(scale_ptr + _index(h, WIDE) * stride_scale, mask=h < Hkv, other=1.0)
-        v = vals.to(tl.float32) / scale.to(tl.float32)
+        # Per-tensor scales come with stride 0; heads past H in the tile are masked.
+        scale = tl.load(scale_ptr + _index(h, WIDE) * stride_scale, mask=h < H, other=1.0)
+        # IEEE division (div.rn), as torch's x / scale: Triton's fp32 `/` is the approximate
+        # div.full (up to 2 ulp), which can tip an e4m3 rounding (docs/design.md, "FP8 stores").
+        v = tl.math.div_rn(vals.to(tl.float32), scale.to(tl.float32))
         clamped = tl.minimum(tl.maximum(v, -448.0), 448.0)
-        FP8 = cache_ptr.dtype.element_ty
+        FP8 = out_ptr.dtype.element_ty
         if INTERPRETER:
             # The interpreter's cast turns NaN into 384: set NaN's bits (0x7F) directly.
             bits = _round_e4m3(clamped).to(FP8).to(tl.uint8, bitcast=True)
             stored = tl.where(v != v, 0x7F, bits).to(tl.uint8).to(FP8, bitcast=True)
         else:
             stored = tl.where(v != v, v, clamped).to(FP8)
-        tl.store(cache_ptr + off, stored, mask=mask)
+        tl.store(out_ptr + off, stored, mask=mask)
     else:
-        tl.store(cache_ptr + off, vals, mask=mask)
+        tl.store(out_ptr + off, vals, mask=mask)
 
 
 @triton.jit
 def qknorm_rope_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-    q_w_ptr, k_w_ptr, inv_freq_ptr, q_out_ptr, k_out_ptr, k_scale_ptr, v_scale_ptr,
+    q_w_ptr, k_w_ptr, inv_freq_ptr, q_out_ptr, k_out_ptr, k_scale_ptr, v_scale_ptr, q_scale_ptr,
     eps, T, Hq, Hkv, rows_per_batch, block_size,
     stride_q_b, stride_q_h, stride_q_t, stride_q_d,
     stride_k_b, stride_k_h, stride_k_t, stride_k_d,
@@ -335,12 +339,12 @@ def qknorm_rope_kernel(
     stride_kc_b, stride_kc_blk, stride_kc_row, stride_kc_h, stride_kc_d,
     stride_vc_b, stride_vc_blk, stride_vc_row, stride_vc_h, stride_vc_d,
     stride_pos_r, stride_pos_b, stride_pos_t, stride_slot,
-    stride_q_w, stride_k_w, stride_inv_freq, stride_k_scale, stride_v_scale,
+    stride_q_w, stride_k_w, stride_inv_freq, stride_k_scale, stride_v_scale, stride_q_scale,
     D: tl.constexpr, ROT: tl.constexpr, GPTJ: tl.constexpr, HF_NORM: tl.constexpr,
     W_OFFSET: tl.constexpr, COS_SIN_SCALE: tl.constexpr, MROPE: tl.constexpr,
     SEC_T: tl.constexpr, SEC_H: tl.constexpr, SEC_W: tl.constexpr, PAGED: tl.constexpr,
-    K_SCALED: tl.constexpr, V_SCALED: tl.constexpr,
-    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_T: tl.constexpr,
+    K_SCALED: tl.constexpr, V_SCALED: tl.constexpr, QO_SCALED: tl.constexpr,
+    KO_SCALED: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_T: tl.constexpr,
     INTERPRETER: tl.constexpr, WIDE: tl.constexpr,
 ):
     """Grid: (cdiv(T, BLOCK_T), cdiv(Hq, BLOCK_HQ) + cdiv(Hkv, BLOCK_HKV), B).
@@ -381,8 +385,10 @@ def qknorm_rope_kernel(
             GPTJ, HF_NORM, W_OFFSET, COS_SIN_SCALE, MROPE, SEC_T, SEC_H, SEC_W, INTERPRETER,
             WIDE)
         qo_row = b * stride_qo_b + hq_i * stride_qo_h + t3 * stride_qo_t
-        tl.store(q_out_ptr + qo_row + d_lo * stride_qo_d, q_lo, mask=q_mask)
-        tl.store(q_out_ptr + qo_row + d_hi * stride_qo_d, q_hi, mask=q_mask)
+        _store_scaled(q_out_ptr, qo_row + d_lo * stride_qo_d, q_lo, q_mask, q_scale_ptr, hq, Hq,
+                      stride_q_scale, QO_SCALED, INTERPRETER, WIDE)
+        _store_scaled(q_out_ptr, qo_row + d_hi * stride_qo_d, q_hi, q_mask, q_scale_ptr, hq, Hq,
+                      stride_q_scale, QO_SCALED, INTERPRETER, WIDE)
     else:
         hk = ((pid_h - n_q_blocks) * BLOCK_HKV + tl.arange(0, BLOCK_HKV))[:, None, None]
         k_mask = (hk < Hkv) & (t3 < T)
@@ -402,8 +408,10 @@ def qknorm_rope_kernel(
             GPTJ, HF_NORM, W_OFFSET, COS_SIN_SCALE, MROPE, SEC_T, SEC_H, SEC_W, INTERPRETER,
             WIDE)
         ko_row = b * stride_ko_b + hk_i * stride_ko_h + t3 * stride_ko_t
-        tl.store(k_out_ptr + ko_row + d_lo * stride_ko_d, k_lo, mask=k_mask)
-        tl.store(k_out_ptr + ko_row + d_hi * stride_ko_d, k_hi, mask=k_mask)
+        _store_scaled(k_out_ptr, ko_row + d_lo * stride_ko_d, k_lo, k_mask, k_scale_ptr, hk, Hkv,
+                      stride_k_scale, KO_SCALED, INTERPRETER, WIDE)
+        _store_scaled(k_out_ptr, ko_row + d_hi * stride_ko_d, k_hi, k_mask, k_scale_ptr, hk, Hkv,
+                      stride_k_scale, KO_SCALED, INTERPRETER, WIDE)
 
         row3 = row[None, :, None]
         row_mask = k_mask & (row3 >= 0) & (row3 < rows_per_batch)
@@ -416,9 +424,9 @@ def qknorm_rope_kernel(
             vc_row = row3 * stride_vc_row
         kc_row += b * stride_kc_b + hk_i * stride_kc_h
         vc_row += b * stride_vc_b + hk_i * stride_vc_h
-        _store_cache(k_cache_ptr, kc_row + d_lo * stride_kc_d, k_lo, row_mask, k_scale_ptr, hk,
-                     Hkv, stride_k_scale, K_SCALED, INTERPRETER, WIDE)
-        _store_cache(k_cache_ptr, kc_row + d_hi * stride_kc_d, k_hi, row_mask, k_scale_ptr, hk,
-                     Hkv, stride_k_scale, K_SCALED, INTERPRETER, WIDE)
-        _store_cache(v_cache_ptr, vc_row + d_full * stride_vc_d, v, row_mask, v_scale_ptr, hk,
-                     Hkv, stride_v_scale, V_SCALED, INTERPRETER, WIDE)
+        _store_scaled(k_cache_ptr, kc_row + d_lo * stride_kc_d, k_lo, row_mask, k_scale_ptr, hk,
+                      Hkv, stride_k_scale, K_SCALED, INTERPRETER, WIDE)
+        _store_scaled(k_cache_ptr, kc_row + d_hi * stride_kc_d, k_hi, row_mask, k_scale_ptr, hk,
+                      Hkv, stride_k_scale, K_SCALED, INTERPRETER, WIDE)
+        _store_scaled(v_cache_ptr, vc_row + d_full * stride_vc_d, v, row_mask, v_scale_ptr, hk,
+                      Hkv, stride_v_scale, V_SCALED, INTERPRETER, WIDE)

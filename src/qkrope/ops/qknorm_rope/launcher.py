@@ -21,7 +21,7 @@ __all__ = ["TileConfig", "PER_CALL", "pick_config", "launch", "LAUNCHER", "wide_
 #: The kernel parameters that change from call to call, in the order the fast path passes them
 #: (``KernelLauncher.fast_call``): the input tensors' addresses, the outputs', then eps.
 PER_CALL = ("q_ptr", "k_ptr", "v_ptr", "pos_ptr", "k_cache_ptr", "v_cache_ptr", "slot_ptr",
-            "q_w_ptr", "k_w_ptr", "inv_freq_ptr", "k_scale_ptr", "v_scale_ptr",
+            "q_w_ptr", "k_w_ptr", "inv_freq_ptr", "k_scale_ptr", "v_scale_ptr", "q_scale_ptr",
             "q_out_ptr", "k_out_ptr", "eps")
 LAUNCHER = KernelLauncher(qknorm_rope_kernel, PER_CALL,
                           written=("k_cache_ptr", "v_cache_ptr", "q_out_ptr", "k_out_ptr"),
@@ -117,7 +117,7 @@ def _paged_args(layout: str, key_cache, value_cache, positions):
 
 
 def launch(query, key, value, positions, key_cache, value_cache, slots, q_norm_weight,
-           k_norm_weight, inv_freq, k_scale, v_scale, query_out, key_out, rms_norm_eps,
+           k_norm_weight, inv_freq, k_scale, v_scale, q_scale, query_out, key_out, rms_norm_eps,
            opts: Options):
     """Launch the kernel on checked arguments (``opts`` canonical, scales as device tensors or
     None, memory overlap refused by ``checks.check_overlap``); returns ``(compiled kernel or
@@ -140,11 +140,13 @@ def launch(query, key, value, positions, key_cache, value_cache, slots, q_norm_w
         inv_freq_ptr=inv_freq, q_out_ptr=query_out, k_out_ptr=key_out,
         k_scale_ptr=unused if k_scale is None else k_scale,
         v_scale_ptr=unused if v_scale is None else v_scale,
+        q_scale_ptr=unused if q_scale is None else q_scale,
         eps=float(rms_norm_eps), Hq=Hq, Hkv=Hkv, stride_slot=slots.stride(0),
         stride_q_w=q_norm_weight.stride(0), stride_k_w=k_norm_weight.stride(0),
         stride_inv_freq=inv_freq.stride(0),
         # A per-tensor scale is read by every head through a zero stride.
         stride_k_scale=_scale_stride(k_scale), stride_v_scale=_scale_stride(v_scale),
+        stride_q_scale=_scale_stride(q_scale),
     )
     section = opts.mrope_section or (0, 0, 0)
     meta = dict(
@@ -153,12 +155,14 @@ def launch(query, key, value, positions, key_cache, value_cache, slots, q_norm_w
         COS_SIN_SCALE=float(opts.cos_sin_scale),
         MROPE=0 if opts.mrope_section is None else (2 if opts.mrope_interleaved else 1),
         SEC_T=section[0], SEC_H=section[1], SEC_W=section[2], PAGED=opts.layout != "bhsd",
-        K_SCALED=k_scale is not None, V_SCALED=v_scale is not None,
+        # FP8 stores: the caches, and the quantised outputs (docs/spec.md, R4).
+        K_SCALED=key_cache.dtype != query.dtype, V_SCALED=value_cache.dtype != query.dtype,
+        QO_SCALED=query_out.dtype != query.dtype, KO_SCALED=key_out.dtype != query.dtype,
         BLOCK_HQ=cfg.block_hq, BLOCK_HKV=cfg.block_hkv, BLOCK_T=cfg.block_t,
         INTERPRETER=interpreting(),
         WIDE=wide_offsets(query, key, value, positions, key_cache, value_cache, slots,
-                          q_norm_weight, k_norm_weight, inv_freq, k_scale, v_scale, query_out,
-                          key_out),
+                          q_norm_weight, k_norm_weight, inv_freq, k_scale, v_scale, q_scale,
+                          query_out, key_out),
         # The rounding points forbid contracting a product and a sum into one FMA.
         enable_fp_fusion=False, num_warps=cfg.num_warps)
     compiled = LAUNCHER.launch(grid, args, meta, query.device)

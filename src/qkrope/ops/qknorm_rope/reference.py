@@ -16,8 +16,9 @@ happens below):
   ``cos_sin_scale`` in fp32 (HF's ``attention_scaling``), rounded to the activation dtype.
 - R3 rotation: every product and each sum is one eager op in the activation dtype, so rounded
   (HF's ``q * cos + rotate_half(q) * sin``).
-- R4 FP8 caches: ``saturate(x / scale)`` to +-448 in fp32, rounded to e4m3 (nearest even, the
-  sign of zero kept); NaN, from the data or the scale, is stored as the one NaN code 0x7F, as
+- R4 FP8 caches and FP8 query/key outputs: ``saturate(x / scale)`` of the rotated row in the
+  activation dtype (R3's result), in fp32, to +-448, rounded to e4m3 (nearest even, the sign of
+  zero kept); NaN, from the data or the scale, is stored as the one NaN code 0x7F, as
   the GPU's conversion does (torch's cast keeps a NaN's sign: 0xFF for a negative NaN, which
   ``0 / 0`` is on x86).
 
@@ -101,6 +102,19 @@ def quantize(rows: torch.Tensor, cache_dtype: torch.dtype, scale, head_dim_axis:
     return rows.to(cache_dtype)
 
 
+def _into(rotated, out, scale):
+    """R4 of an output: ``rotated`` [.., H, .., D] (head axis 1) written into the caller's
+    ``out`` (quantised when it is FP8), or ``rotated`` itself without one."""
+    if out is None:
+        return rotated
+    new = quantize(rotated, out.dtype, scale, 1)
+    if out.dtype in _FP8_MAX:  # copy_ has no float8 kernels everywhere: copy the bytes
+        out.view(torch.uint8).copy_(new.view(torch.uint8))
+    else:
+        out.copy_(new)
+    return out
+
+
 def _norm_rope(query, key, positions, q_norm_weight, k_norm_weight, inv_freq, eps, unsqueeze,
                rotary_style, rotary_dim, norm_weight_offset, norm_rounding, cos_sin_scale,
                mrope_section, mrope_interleaved):
@@ -122,15 +136,16 @@ def qknorm_rope_cache_ref(
     q_norm_weight, k_norm_weight, inv_freq, rms_norm_eps, *,
     rotary_style: str = "neox", rotary_dim: int | None = None, norm_weight_offset: float = 0.0,
     norm_rounding: str = "weight_fp32", cos_sin_scale: float = 1.0, mrope_section=None,
-    mrope_interleaved: bool = False, k_scale=None, v_scale=None, inplace: bool = False,
-    skip_out_of_range: bool = True,
+    mrope_interleaved: bool = False, k_scale=None, v_scale=None, q_scale=None, query_out=None,
+    key_out=None, inplace: bool = False, skip_out_of_range: bool = True,
 ):
     """Oracle of :func:`qkrope.fused_rope_with_qk_norm_and_kv_cache_update` (same arguments).
 
     query [B, Hq, S, D]; key, value [B, Hkv, S, D]; position_ids [B, S] or [1, S] (or
     [3, B|1, S] with ``mrope_section``); caches [B, Hkv, L, D]; cache_position [S] (rows outside
-    [0, L) are skipped). ``skip_out_of_range=False`` writes every row with one ``index_copy_``
-    (no host sync, ``torch.compile`` friendly; every row must then be valid).
+    [0, L) are skipped). ``query_out``/``key_out``: written and returned, quantised with
+    ``q_scale``/``k_scale`` when FP8 (R4). ``skip_out_of_range=False`` writes every row with one
+    ``index_copy_`` (no host sync, ``torch.compile`` friendly; every row must then be valid).
 
     Returns ``(query_rotated, key_rotated, key_cache_out, value_cache_out)``.
     """
@@ -152,7 +167,7 @@ def qknorm_rope_cache_ref(
         if cache.dtype in _FP8_MAX:  # index_copy_ has no float8 kernels: copy the bytes
             cache, new = cache.view(torch.uint8), new.view(torch.uint8)
         cache.index_copy_(2, rows, new)
-    return q_rot, k_rot, key_cache, value_cache
+    return _into(q_rot, query_out, q_scale), _into(k_rot, key_out, k_scale), key_cache, value_cache
 
 
 def qknorm_rope_paged_ref(
@@ -161,15 +176,17 @@ def qknorm_rope_paged_ref(
     cache_layout: str = "NHD", rotary_style: str = "neox", rotary_dim: int | None = None,
     norm_weight_offset: float = 0.0, norm_rounding: str = "weight_fp32",
     cos_sin_scale: float = 1.0, mrope_section=None, mrope_interleaved: bool = False,
-    k_scale=None, v_scale=None, inplace: bool = False, skip_out_of_range: bool = True,
+    k_scale=None, v_scale=None, q_scale=None, query_out=None, key_out=None,
+    inplace: bool = False, skip_out_of_range: bool = True,
 ):
     """Oracle of :func:`qkrope.fused_qk_norm_rope_paged` (same arguments).
 
     query [T, Hq, D]; key, value [T, Hkv, D]; positions [T] (or [3, T] with ``mrope_section``);
     caches NHD [num_blocks, block_size, Hkv, D] or HND [num_blocks, Hkv, block_size, D];
     slot_mapping [T]: block ``slot // block_size``, offset ``slot % block_size``; slots outside
-    the cache are skipped. ``skip_out_of_range=False`` writes every slot without filtering (no
-    host sync; every slot must be valid).
+    the cache are skipped. ``query_out``/``key_out`` as in :func:`qknorm_rope_cache_ref`.
+    ``skip_out_of_range=False`` writes every slot without filtering (no host sync; every slot
+    must be valid).
 
     Returns ``(query_rotated, key_rotated, key_cache_out, value_cache_out)``.
     """
@@ -190,7 +207,7 @@ def qknorm_rope_paged_ref(
             cache[block, offset] = rows
         else:
             cache[block, :, offset] = rows
-    return q_rot, k_rot, key_cache, value_cache
+    return _into(q_rot, query_out, q_scale), _into(k_rot, key_out, k_scale), key_cache, value_cache
 
 
 def qk_rotated_fp64(query, key, position_ids, q_norm_weight, k_norm_weight, inv_freq, eps):

@@ -35,6 +35,7 @@ def _qknorm_rope(
     inv_freq: torch.Tensor,
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
+    q_scale: torch.Tensor | None,
     query_out: torch.Tensor,
     key_out: torch.Tensor,
     rms_norm_eps: float,
@@ -45,10 +46,11 @@ def _qknorm_rope(
     their version counters."""
     opts = _options(options)
     inputs = (query, key, value, positions, key_cache, value_cache, slots, q_norm_weight,
-              k_norm_weight, inv_freq, k_scale, v_scale)
+              k_norm_weight, inv_freq, k_scale, v_scale, q_scale)
     if LAUNCHER.fast_call(opts, inputs, (query_out, key_out), (rms_norm_eps,)) is None:
         # The fast path runs the overlap rules natively; a checked launch runs them here.
-        check_overlap(opts.layout, (*inputs[:10], query_out, key_out), k_scale, v_scale)
+        check_overlap(opts.layout, (*inputs[:10], query_out, key_out), k_scale, v_scale,
+                      q_scale)
         launched = launch(*inputs, query_out, key_out, rms_norm_eps, opts)
         LAUNCHER.remember(opts, inputs, (query_out, key_out), launched, query.get_device())
         torch._C._increment_version((key_cache, value_cache, query_out, key_out))

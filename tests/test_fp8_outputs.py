@@ -1,0 +1,155 @@
+"""FP8 query / key outputs (``query_out`` / ``key_out`` of float8_e4m3fn with ``q_scale`` /
+``k_scale``): the kernel stores exactly ``saturate(rotated_row / scale)`` of the rotated row it
+computes in the activation dtype (spec.md R4), through both entry points, per tensor and per
+head, next to bf16 or FP8 caches; special values; refusals by name. CPU: the real kernel in
+Triton's interpreter."""
+
+import pytest
+import torch
+from helpers import DEVICE, Case, make_inputs
+from test_qknorm_rope import PCase, make
+
+import qkrope
+from qkrope.ops.qknorm_rope.reference import quantize
+
+FP8 = torch.float8_e4m3fn
+
+
+def bhsd_call(case_kw=None, **kw):
+    args = make_inputs(Case(**(case_kw or {})))
+    return qkrope.fused_rope_with_qk_norm_and_kv_cache_update, args, kw
+
+
+def paged_call(cache_dtype=None, **kw):
+    args, kwargs = make(PCase(cache_dtype=cache_dtype, per_head_scale=True, seed=3))
+    return qkrope.fused_qk_norm_rope_paged, args, {**kwargs, **kw}
+
+
+def fresh(args):
+    """The arguments with caches of their own (each run writes its caches)."""
+    return (*args[:4], args[4].clone(), args[5].clone(), *args[6:])
+
+
+def per(kind, n, base):
+    if kind == "float":
+        return base
+    if kind == "tensor":
+        return torch.tensor([base], device=DEVICE)
+    return base * (1 + torch.arange(n, device=DEVICE, dtype=torch.float32))  # per head
+
+
+def fp8_like(x):
+    return torch.full(x.shape, float("nan"), device=x.device).to(FP8)  # poisoned
+
+
+@pytest.mark.parametrize("entry", ["bhsd", "paged-bf16-cache", "paged-fp8-cache"])
+@pytest.mark.parametrize("kind", ["float", "tensor", "per-head"])
+def test_fp8_outputs_are_the_rotated_rows_quantised(entry, kind):
+    if entry == "bhsd":
+        op, args, kw = bhsd_call()
+    else:
+        op, args, kw = paged_call(FP8 if entry == "paged-fp8-cache" else None)
+    q, k = args[0], args[1]
+    Hq, Hkv = q.shape[1], k.shape[1]
+    q_scale = per(kind, Hq, 0.004)
+    k_scale = kw.get("k_scale", per(kind, Hkv, 0.006))
+    plain = fresh(args)
+    q_bf, k_bf = op(*plain, **kw)[:2]  # the rotated rows in the activation dtype
+    quant = fresh(args)
+    q8, k8 = fp8_like(q), fp8_like(k)
+    out = op(*quant, **{**kw, "k_scale": k_scale}, q_scale=q_scale, query_out=q8, key_out=k8)
+    assert out[0] is q8 and out[1] is k8
+    want_q, want_k = quantize(q_bf, FP8, q_scale, 1), quantize(k_bf, FP8, k_scale, 1)
+    assert torch.equal(q8.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(k8.view(torch.uint8), want_k.view(torch.uint8))
+    # The caches are written as without quantised outputs.
+    for a, b in ((plain[4], quant[4]), (plain[5], quant[5])):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    # And the oracle, given the same outputs, stores the same codes but for the rare element
+    # where the kernel's last-ulp trig/rsqrt (README, "Numerics") moves a bf16 rounding.
+    oracle = qkrope.reference if entry == "bhsd" else qkrope.reference_paged
+    r8q, r8k = fp8_like(q), fp8_like(k)
+    oracle(*args, **{**kw, "k_scale": k_scale}, q_scale=q_scale, query_out=r8q, key_out=r8k)
+    for got, ref in ((q8, r8q), (k8, r8k)):
+        assert (got.view(torch.uint8) == ref.view(torch.uint8)).float().mean() >= 0.99
+
+
+def test_fp8_outputs_of_zero_nan_inf_and_huge_rows():
+    op, args, kw = bhsd_call(dict(B=1, Hq=4, Hkv=2, S=3))
+    q = args[0].clone()
+    q[0, 0, 0] = 0                      # a row of zeros: 0 / rms (eps) stays 0
+    q[0, 1, 1, 5] = float("nan")        # NaN anywhere in the row: the whole row is NaN
+    q[0, 2, 2, 7] = float("inf")        # inf: rsqrt(inf) = 0, so inf * 0 = NaN there, 0 else
+    args = (q, *args[1:])
+    q_scale = torch.tensor([0.01, 0.01, 0.01, 1e-6], device=DEVICE)  # head 3 saturates
+    q8 = fp8_like(q)
+    op(*fresh(args), q_scale=q_scale, query_out=q8)
+    codes = q8.view(torch.uint8)
+    assert ((codes[0, 0, 0] & 0x7F) == 0).all()          # +-0 (as the rotation signs it)
+    assert (codes[0, 1, 1] == 0x7F).all()
+    q_bf = op(*fresh(args))[0]
+    inf_row = q_bf[0, 2, 2].float()
+    assert inf_row.isnan().any() and torch.equal(codes[0, 2, 2] == 0x7F, inf_row.isnan())
+    assert ((codes[0, 2, 2][~inf_row.isnan()] & 0x7F) == 0).all()
+    sat = q8[0, 3].float()
+    assert (sat.abs() == 448).float().mean() > 0.9       # all but rows' near-zero elements
+    assert torch.equal(codes, quantize(q_bf, FP8, q_scale, 1).view(torch.uint8))
+
+
+def test_skipped_rows_leave_the_caches_but_every_output_is_written():
+    op, args, kw = bhsd_call(dict(pad_rows=(0,), far_rows=(2,)))
+    run = fresh(args)
+    q8 = fp8_like(args[0])
+    op(*run, q_scale=0.01, query_out=q8)
+    assert not q8.float().isnan().any()                  # every poisoned element overwritten
+    for t in (0, 2):                                     # -1 and >= L: nothing written
+        row = int(args[6][t])
+        if 0 <= row < args[4].shape[2]:
+            assert torch.equal(run[4][:, :, row], args[4][:, :, row])
+    ref = qkrope.reference(*args, inplace=False)
+    assert torch.equal(run[4], ref[2]) and torch.equal(run[5], ref[3])
+
+
+def test_fp8_outputs_under_torch_compile_equal_eager():
+    op, args, _ = bhsd_call(dict(S=3, seed=4))
+    eager_q8, comp_q8 = fp8_like(args[0]), fp8_like(args[0])
+    op(*fresh(args), q_scale=0.01, query_out=eager_q8)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *a, out: op(*a, q_scale=0.01, query_out=out),
+                             fullgraph=True)
+    compiled(*fresh(args), out=comp_q8)
+    assert torch.equal(eager_q8.view(torch.uint8), comp_q8.view(torch.uint8))
+
+
+@pytest.mark.parametrize("call, error, words", [
+    (dict(q_scale=0.01), ValueError, "q_scale is only used with a float8_e4m3fn query_out"),
+    (dict(query_out="fp8"), ValueError, "q_scale is required for a float8_e4m3fn query_out"),
+    (dict(key_out="fp8"), ValueError, "k_scale is required for a float8_e4m3fn key_out"),
+    (dict(k_scale=0.01), ValueError, "k_scale is only used with a float8_e4m3fn key_cache or "
+                                     "key_out"),
+    (dict(query_out="fp8", q_scale=torch.ones(3)), ValueError, "1 or Hq=4"),
+    (dict(query_out="fp8", q_scale=-1.0), ValueError, "q_scale must be finite and > 0"),
+    (dict(query_out="fp8", q_scale=torch.ones(1, dtype=torch.float64)), TypeError, "q_scale"),
+    (dict(query_out="float32"), TypeError, "query_out must be bfloat16 or float8_e4m3fn"),
+])
+def test_quantised_output_arguments_are_checked_by_name(call, error, words):
+    op, args, _ = bhsd_call()
+    kw = dict(call)
+    for name, like in (("query_out", args[0]), ("key_out", args[1])):
+        if kw.get(name) == "fp8":
+            kw[name] = fp8_like(like)
+        elif kw.get(name) == "float32":
+            kw[name] = torch.empty(like.shape, device=DEVICE)
+    if isinstance(kw.get("q_scale"), torch.Tensor):
+        kw["q_scale"] = kw["q_scale"].to(DEVICE)
+    kc = args[4].clone()
+    with pytest.raises(error, match=words):
+        op(*args, **kw)
+    assert torch.equal(args[4], kc), "a refused call wrote the cache"
+
+
+def test_validate_names_a_bad_q_scale_value():
+    op, args, _ = bhsd_call()
+    with pytest.raises(ValueError, match="q_scale holds nan"):
+        op(*fresh(args), query_out=fp8_like(args[0]), validate=True,
+           q_scale=torch.tensor([float("nan")], device=DEVICE))
