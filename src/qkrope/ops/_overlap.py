@@ -65,27 +65,32 @@ def _same_lattice_hit(delta: int, dims: list[tuple[int, int, int]]) -> bool:
 
 
 def may_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` may address a common byte. Exact for views with equal strides
-    and element size (any shapes, e.g. interleaved views of one allocation); otherwise any
-    intersection of their byte extents counts."""
+    """Whether ``a`` and ``b`` address a common byte, for any shapes, strides and element sizes
+    (e.g. vLLM's per-token-head cache: FP8 rows and the float32 scales between them, interleaved
+    views of one allocation). Exact: a byte of ``a`` is ``a_ptr + sum i_k s_k e_a + u`` (``u <
+    e_a``), one of ``b`` likewise, so they meet where ``b_ptr - a_ptr`` is a sum of the strides
+    (in bytes) of both, times bounded integers, plus ``u - v``; "may" only when the search runs
+    out of budget."""
     a_lo, a_hi = extent(a)
     b_lo, b_hi = extent(b)
     if a_lo >= b_hi or b_lo >= a_hi or a_lo == a_hi or b_lo == b_hi:
         return False
-    e = a.element_size()
-    if (a.dim() != b.dim() or a.stride() != b.stride() or e != b.element_size()
-            or (b.data_ptr() - a.data_ptr()) % e):
-        return True
-    dims = []
-    for n, m, s in zip(a.shape, b.shape, a.stride()):
-        # b's element at index i' meets a's at i when sum (i - i') s = delta: j = i - i'.
-        if s == 0 or (n == 1 and m == 1):
-            continue
-        sign = 1 if s > 0 else -1
-        lo, hi = (-(m - 1), n - 1) if s > 0 else (-(n - 1), m - 1)
-        dims.append((s * sign, lo, hi))
-    dims.sort(key=lambda d: -d[0])
-    return _same_lattice_hit((b.data_ptr() - a.data_ptr()) // e, dims)
+    ea, eb = a.element_size(), b.element_size()
+    ranges: dict[int, tuple[int, int]] = {}  # byte stride -> range of its integer factor
+
+    def add(stride: int, lo: int, hi: int) -> None:
+        old_lo, old_hi = ranges.get(stride, (0, 0))
+        ranges[stride] = (old_lo + lo, old_hi + hi)  # equal strides add their ranges
+
+    for sign, t, e in ((1, a, ea), (-1, b, eb)):
+        for n, st in zip(t.shape, t.stride()):
+            if st == 0 or n == 1:
+                continue
+            j = (0, n - 1) if st * sign > 0 else (-(n - 1), 0)
+            add(abs(st) * e, *j)
+    add(1, -(eb - 1), ea - 1)  # u - v: the bytes within an element
+    dims = sorted(((st, lo, hi) for st, (lo, hi) in ranges.items()), key=lambda d: -d[0])
+    return _same_lattice_hit(b.data_ptr() - a.data_ptr(), dims)
 
 
 def self_overlaps(t: torch.Tensor) -> bool:

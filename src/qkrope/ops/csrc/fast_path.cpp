@@ -70,9 +70,16 @@ bool self_overlaps(const View& v) {
 }
 
 struct Lattice {
-  int64_t s[16], lo[16], hi[16], reach[17];
+  static constexpr size_t kMax = 40;  // 16 dims of each view, the byte dim, merged strides
+  int64_t s[kMax], lo[kMax], hi[kMax], reach[kMax + 1];
   size_t n = 0;
   int budget = 4096;
+  // Adds factor range [l, h] to byte stride st (equal strides add their ranges).
+  void add(int64_t st, int64_t l, int64_t h) {
+    for (size_t i = 0; i < n; ++i)
+      if (s[i] == st) { lo[i] += l; hi[i] += h; return; }
+    s[n] = st; lo[n] = l; hi[n] = h; ++n;
+  }
   // delta == sum j_k s_k with lo_k <= j_k <= hi_k? (true also when out of budget)
   bool hit(size_t k, int64_t rest) {
     if (--budget < 0) return true;
@@ -87,29 +94,32 @@ struct Lattice {
   }
 };
 
+// Whether a and b address a common byte, for any strides and element sizes (../_overlap.py,
+// may_overlap: the same search over both views' byte lattices).
 bool may_overlap(const View& a, const View& b) {
   if (a.lo == a.hi || b.lo == b.hi || a.lo >= b.hi || b.lo >= a.hi) return false;
-  const intptr_t diff = static_cast<intptr_t>(b.ptr) - static_cast<intptr_t>(a.ptr);
-  if (a.sizes.size() != b.sizes.size() || a.strides != b.strides || a.elsize != b.elsize ||
-      diff % a.elsize != 0 || a.sizes.size() > 16)
-    return true;
+  if (a.sizes.size() > 16 || b.sizes.size() > 16) return true;
   Lattice L;
-  for (size_t d = 0; d < a.sizes.size(); ++d) {
-    const int64_t st = a.strides[d], n = a.sizes[d], m = b.sizes[d];
-    if (st == 0 || (n == 1 && m == 1)) continue;
-    size_t i = L.n++;
-    L.s[i] = std::abs(st);
-    L.lo[i] = st > 0 ? -(m - 1) : -(n - 1);
-    L.hi[i] = st > 0 ? n - 1 : m - 1;
-    for (; i > 0 && L.s[i - 1] < L.s[i]; --i) {  // keep strides descending
-      std::swap(L.s[i - 1], L.s[i]);
-      std::swap(L.lo[i - 1], L.lo[i]);
-      std::swap(L.hi[i - 1], L.hi[i]);
+  const View* views[2] = {&a, &b};
+  for (int v = 0; v < 2; ++v) {
+    const View& t = *views[v];
+    for (size_t d = 0; d < t.sizes.size(); ++d) {
+      const int64_t st = t.strides[d], m = t.sizes[d];
+      if (st == 0 || m == 1) continue;
+      const bool up = (st > 0) == (v == 0);  // a's factors count up, b's down
+      L.add(std::abs(st) * t.elsize, up ? 0 : -(m - 1), up ? m - 1 : 0);
     }
   }
+  L.add(1, -(b.elsize - 1), a.elsize - 1);  // the bytes within an element
+  for (size_t i = 1; i < L.n; ++i)  // strides descending
+    for (size_t j = i; j > 0 && L.s[j - 1] < L.s[j]; --j) {
+      std::swap(L.s[j - 1], L.s[j]);
+      std::swap(L.lo[j - 1], L.lo[j]);
+      std::swap(L.hi[j - 1], L.hi[j]);
+    }
   L.reach[L.n] = 0;
   for (size_t k = L.n; k-- > 0;) L.reach[k] = L.reach[k + 1] + L.s[k] * std::max(-L.lo[k], L.hi[k]);
-  return L.hit(0, diff / a.elsize);
+  return L.hit(0, static_cast<int64_t>(b.ptr) - static_cast<int64_t>(a.ptr));
 }
 
 bool identical(const View& a, const View& b) {
