@@ -79,7 +79,8 @@ def row_options(row: Row, **fields) -> checks.Options:
 def launch_args(args: tuple, query_out, key_out, opts: checks.Options,
                 k_scale=None, v_scale=None, q_scale=None) -> tuple:
     """``launcher.launch``'s positional arguments for public-API ``args`` (either layout)."""
-    return (*args[:10], k_scale, v_scale, q_scale, query_out, key_out, args[10], opts)
+    return (*args[:10], k_scale, v_scale, q_scale, None, None, query_out, key_out, args[10],
+            opts)
 
 
 # --------------------------------------------------------------------------------------------

@@ -47,7 +47,7 @@ def native_parts(row, args, q_out, k_out) -> list:
     # The fast path's key: the options as a plain tuple, then the ten inputs, the two FP8
     # scales (None here) and the outputs (api.py).
     options = tuple(row_options(row))
-    tensors = (*args[:10], None, None, None, q_out, k_out)
+    tensors = (*args[:10], None, None, None, None, None, q_out, k_out)
     found = LAUNCHER.signature(options, tensors)
     plan = LAUNCHER.find(found[0]) if found else None
     if plan is None:

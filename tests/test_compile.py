@@ -10,6 +10,9 @@ from qkrope.ops.qknorm_rope.checks import Options
 from qkrope.ops.qknorm_rope.registration import options_key
 
 
+NO_SCALES = (None,) * 5  # k/v/q scales, k/v per-token-head scale caches
+
+
 def op(*args, **kw):
     return qkrope.fused_rope_with_qk_norm_and_kv_cache_update(*args, **kw)
 
@@ -39,7 +42,7 @@ def test_opcheck():
     args = make_inputs(Case(S=3, seed=5))
     outs = (torch.empty_like(args[0]), torch.empty_like(args[1]))
     torch.library.opcheck(torch.ops.qkrope.qknorm_rope.default,
-                          (*args[:10], None, None, None, *outs, args[10],
+                          (*args[:10], *NO_SCALES, *outs, args[10],
                            options_key(Options(rotary_dim=args[0].shape[-1]))))
 
 
@@ -83,7 +86,7 @@ def test_paged_opcheck():
     args, _ = make(PCase(seed=8, style="gptj", rotary_dim=32))
     outs = (torch.empty_like(args[0]), torch.empty_like(args[1]))
     torch.library.opcheck(torch.ops.qkrope.qknorm_rope.default,
-                          (*args[:10], None, None, None, *outs, args[10],
+                          (*args[:10], *NO_SCALES, *outs, args[10],
                            options_key(Options("NHD", "gptj", 32))))
 
 

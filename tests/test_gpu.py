@@ -112,8 +112,9 @@ def test_native_launch_plans_are_used_and_exact():
 
     expected = qkrope.run(*args, query_out=poisoned_like(args[0]), key_out=poisoned_like(args[1]))
     q_out, k_out = poisoned_like(args[0]), poisoned_like(args[1])
+    no_scales = (None,) * 5  # k/v/q scales, k/v scale caches
     key, addresses = LAUNCHER.signature(Options(rotary_dim=128),  # the canonical options
-                                        (*args[:10], None, None, None, q_out, k_out))
+                                        (*args[:10], *no_scales, q_out, k_out))
     assert LAUNCHER.find(key) is plan
     errors = []
 

@@ -154,7 +154,8 @@ def test_fast_path_passes_what_triton_got(fake, name):
     expected = triton_params(FakeJit.arg_names, triton_args,
                              {n: _triton_type(triton_args[n]) for n in FakeJit.arg_names})
     # Absent scales: Triton got a dummy pointer, the plan a null one (never read).
-    absent = [f"{n}_ptr" for n in ("k_scale", "v_scale", "q_scale") if n not in kwargs]
+    absent = [f"{n}_ptr" for n in ("k_scale", "v_scale", "q_scale", "k_scale_cache",
+                                   "v_scale_cache") if n not in kwargs]
     expected = _null_scales(expected, triton_args, absent)
     assert _null_scales(params, triton_args, absent) == expected
 

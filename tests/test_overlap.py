@@ -239,8 +239,9 @@ def test_fast_path_overlap_check_runs_in_the_signature(fake):  # noqa: F811
     rules = launcher.LAUNCHER.rules
     per_call = launcher.PER_CALL
     n = rules[0]
-    assert {per_call[i] for i in rules[1:1 + n]} == {"k_cache_ptr", "v_cache_ptr", "q_out_ptr",
-                                                     "k_out_ptr"}
+    assert {per_call[i] for i in rules[1:1 + n]} == {
+        "k_cache_ptr", "v_cache_ptr", "k_scale_cache_ptr", "v_scale_cache_ptr", "q_out_ptr",
+        "k_out_ptr"}
     pairs = rules[2 + n:]
     assert {(per_call[pairs[i]], per_call[pairs[i + 1]]) for i in range(0, len(pairs), 2)} == {
         ("q_out_ptr", "q_ptr"), ("k_out_ptr", "k_ptr")}

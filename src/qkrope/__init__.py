@@ -14,6 +14,7 @@ from .ops.qknorm_rope import (
     fused_qkv_norm_rope_paged,
     fused_rope_with_qk_norm_and_kv_cache_update,
     split_packed_qkv,
+    vllm_per_token_head_views,
 )
 from .ops.qknorm_rope.reference import qknorm_rope_cache_ref, qknorm_rope_paged_ref
 
@@ -31,4 +32,4 @@ except Exception:  # pragma: no cover - source tree without installed metadata
 
 __all__ = ["fused_rope_with_qk_norm_and_kv_cache_update", "fused_qk_norm_rope_paged",
            "fused_qkv_norm_rope_paged", "reference", "reference_paged", "run",
-           "split_packed_qkv", "__version__"]
+           "split_packed_qkv", "vllm_per_token_head_views", "__version__"]

@@ -213,7 +213,8 @@ class KernelLauncher:
         plan.launch((*addresses, *scalars))
         # As torch's own in-place ops do: a tensor saved for backward and overwritten here
         # makes that backward raise instead of using stale values.
-        torch._C._increment_version((*(inputs[i] for i in self._written_inputs), *outs))
+        torch._C._increment_version((*(inputs[i] for i in self._written_inputs
+                                       if inputs[i] is not None), *outs))
         return outs
 
     def remember(self, options, inputs: Sequence, outs: Sequence, launched: tuple,

@@ -12,7 +12,9 @@ from .api import (
     fused_qkv_norm_rope_paged,
     fused_rope_with_qk_norm_and_kv_cache_update,
     split_packed_qkv,
+    vllm_per_token_head_views,
 )
 
 __all__ = ["fused_qk_norm_rope_paged", "fused_qkv_norm_rope_paged",
-           "fused_rope_with_qk_norm_and_kv_cache_update", "split_packed_qkv"]
+           "fused_rope_with_qk_norm_and_kv_cache_update", "split_packed_qkv",
+           "vllm_per_token_head_views"]

@@ -22,14 +22,14 @@ import torch
 
 from .checks import (
     ACTIVATION_DTYPES, FP32_MAX, FP32_TINY, Options, check_bhsd, check_out, check_paged,
-    head_count, refuse_autograd, scalar_on, scale_tensor, tensor_arg,
+    head_count, refuse_autograd, scalar_on, scale_cache, scale_tensor, tensor_arg,
 )
 from .launcher import LAUNCHER
 from .registration import options_key, qknorm_rope
 from .validation import check_rows, check_scale, validated_rows, validated_scale
 
 __all__ = ["fused_rope_with_qk_norm_and_kv_cache_update", "fused_qk_norm_rope_paged",
-           "fused_qkv_norm_rope_paged", "split_packed_qkv"]
+           "fused_qkv_norm_rope_paged", "split_packed_qkv", "vllm_per_token_head_views"]
 
 
 def fused_rope_with_qk_norm_and_kv_cache_update(
@@ -59,6 +59,8 @@ def fused_rope_with_qk_norm_and_kv_cache_update(
     k_scale: float | torch.Tensor | None = None,
     v_scale: float | torch.Tensor | None = None,
     q_scale: float | torch.Tensor | None = None,
+    k_scale_cache: torch.Tensor | None = None,
+    v_scale_cache: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-head RMSNorm on Q and K, RoPE on both, and the K/V cache write, in one launch.
 
@@ -112,6 +114,15 @@ def fused_rope_with_qk_norm_and_kv_cache_update(
             saturate(x / scale) to +-448 from the rotated row in the activation dtype, nearest
             even, NaN kept (vLLM's convention); read back as stored * scale.
         q_scale: the scale of an FP8 ``query_out`` (1 or Hq elements), as ``k_scale``.
+        k_scale_cache, v_scale_cache: per-token-head dynamic scales of an FP8 ``key_cache`` /
+            ``value_cache`` instead of ``k_scale`` / ``v_scale`` (vLLM's
+            ``fp8_per_token_head``): float32, the cache's shape without D ([B, Hkv, L]; paged
+            NHD [num_blocks, block_size, Hkv], HND [num_blocks, Hkv, block_size]), any strides
+            (e.g. the float32 views between the rows of vLLM's packed cache:
+            :func:`qkrope.vllm_per_token_head_views`). Each written row is stored as
+            ``saturate(x * (1 / s))`` with ``s = max(amax(|x|) / 448, 1e-6)`` over its D
+            elements (NaN not counted), and ``s`` is written to the row's scale; read back as
+            stored * s. Skipped rows keep their data and scale.
 
     Returns:
         ``(query_rotated, key_rotated, key_cache_out, value_cache_out)``.
@@ -123,7 +134,8 @@ def fused_rope_with_qk_norm_and_kv_cache_update(
             else _fast_scales((k_scale, v_scale, q_scale), query)) is not None:
         out = LAUNCHER.fast_call(opts, (query, key, value, position_ids, key_cache, value_cache,
                                         cache_position, q_norm_weight, k_norm_weight, inv_freq,
-                                        *scales), (query_out, key_out), (rms_norm_eps,))
+                                        *scales, k_scale_cache, v_scale_cache),
+                                 (query_out, key_out), (rms_norm_eps,))
         if out is not None:
             return (*out, key_cache, value_cache)
     checked = check_bhsd(query, key, value, position_ids, key_cache, value_cache,
@@ -134,7 +146,8 @@ def fused_rope_with_qk_norm_and_kv_cache_update(
     query_out, key_out = _checked_call(
         checked, (query, key, value, position_ids, key_cache, value_cache, cache_position,
                   q_norm_weight, k_norm_weight, inv_freq), (k_scale, v_scale, q_scale),
-        query_out, key_out, rms_norm_eps, validate, rows_bound=key_cache.shape[2],
+        (k_scale_cache, v_scale_cache), query_out, key_out, rms_norm_eps, validate,
+        rows_bound=key_cache.shape[2],
         rows_name="cache_position")
     return query_out, key_out, key_cache, value_cache
 
@@ -163,6 +176,8 @@ def fused_qk_norm_rope_paged(
     k_scale: float | torch.Tensor | None = None,
     v_scale: float | torch.Tensor | None = None,
     q_scale: float | torch.Tensor | None = None,
+    k_scale_cache: torch.Tensor | None = None,
+    v_scale_cache: torch.Tensor | None = None,
     query_out: torch.Tensor | None = None,
     key_out: torch.Tensor | None = None,
     validate: bool = False,
@@ -185,7 +200,8 @@ def fused_qk_norm_rope_paged(
             ``slot % block_size``. Slots < 0 (CUDA-graph padding) or past the cache are skipped.
         q_norm_weight, k_norm_weight, inv_freq, rms_norm_eps, rotary_style, rotary_dim,
         norm_weight_offset, norm_rounding, cos_sin_scale, mrope_section, mrope_interleaved,
-        k_scale, v_scale, q_scale: as in :func:`fused_rope_with_qk_norm_and_kv_cache_update`.
+        k_scale, v_scale, q_scale, k_scale_cache, v_scale_cache: as in
+            :func:`fused_rope_with_qk_norm_and_kv_cache_update`.
         cache_layout: ``"NHD"`` (vLLM's default) or ``"HND"``.
         query_out, key_out: optional preallocated outputs of the input shapes, of the input
             dtype or ``float8_e4m3fn`` (with ``q_scale`` / ``k_scale``); ``query_out`` may be
@@ -203,7 +219,8 @@ def fused_qk_norm_rope_paged(
             else _fast_scales((k_scale, v_scale, q_scale), query)) is not None:
         out = LAUNCHER.fast_call(opts, (query, key, value, positions, key_cache, value_cache,
                                         slot_mapping, q_norm_weight, k_norm_weight, inv_freq,
-                                        *scales), (query_out, key_out), (rms_norm_eps,))
+                                        *scales, k_scale_cache, v_scale_cache),
+                                 (query_out, key_out), (rms_norm_eps,))
         if out is not None:
             return out
     checked = check_paged(query, key, value, positions, key_cache, value_cache, slot_mapping,
@@ -212,29 +229,39 @@ def fused_qk_norm_rope_paged(
     return _checked_call(
         checked, (query, key, value, positions, key_cache, value_cache, slot_mapping,
                         q_norm_weight, k_norm_weight, inv_freq), (k_scale, v_scale, q_scale),
-        query_out, key_out, rms_norm_eps, validate, rows_bound=key_cache.shape[0] * bs,
+        (k_scale_cache, v_scale_cache), query_out, key_out, rms_norm_eps, validate,
+        rows_bound=key_cache.shape[0] * bs,
         rows_name="slot_mapping")
 
 
-def _checked_call(checked: Options, tensors: tuple, scales: tuple, query_out, key_out,
-                  rms_norm_eps, validate: bool, rows_bound: int, rows_name: str):
+def _checked_call(checked: Options, tensors: tuple, scales: tuple, scale_caches: tuple,
+                  query_out, key_out, rms_norm_eps, validate: bool, rows_bound: int,
+                  rows_name: str):
     """The checked path shared by both entry points; ``tensors``: the ten input tensors in
     the kernel's order, already checked; ``scales``: the caller's ``(k_scale, v_scale,
-    q_scale)``; ``checked``: the canonical options."""
+    q_scale)``, ``scale_caches`` its ``(k_scale_cache, v_scale_cache)``; ``checked``: the
+    canonical options."""
     query, key, key_cache, value_cache = tensors[0], tensors[1], tensors[4], tensors[5]
     Hq, Hkv = query.shape[1], key.shape[1]
     query_out, key_out = _outputs(query, key, query_out, key_out)
+    k_cache_scales = scale_cache("k_scale_cache", scale_caches[0], "key_cache", key_cache)
+    v_cache_scales = scale_cache("v_scale_cache", scale_caches[1], "value_cache", value_cache)
     k_scale, v_scale, q_scale = scales
-    scales = (scale_tensor("k_scale", k_scale, {"key_cache": key_cache, "key_out": key_out},
+    # A cache with per-token-head scales takes no static scale (k_scale may still serve an
+    # FP8 key_out).
+    scales = (scale_tensor("k_scale", k_scale,
+                           {"key_cache": None if k_cache_scales is not None else key_cache,
+                            "key_out": key_out}, Hkv, "Hkv"),
+              scale_tensor("v_scale", v_scale,
+                           {"value_cache": None if v_cache_scales is not None else value_cache},
                            Hkv, "Hkv"),
-              scale_tensor("v_scale", v_scale, {"value_cache": value_cache}, Hkv, "Hkv"),
               scale_tensor("q_scale", q_scale, {"query_out": query_out}, Hq, "Hq"))
     if validate:
         rows, scales = _validate(tensors[6], rows_bound, rows_name, scales)
         tensors = (*tensors[:6], rows, *tensors[7:])
     refuse_autograd(checked.layout, (*tensors, query_out, key_out))
-    qknorm_rope(*tensors, *scales, query_out, key_out, float(rms_norm_eps),
-                options_key(checked))
+    qknorm_rope(*tensors, *scales, k_cache_scales, v_cache_scales, query_out, key_out,
+                float(rms_norm_eps), options_key(checked))
     return query_out, key_out
 
 
@@ -318,6 +345,35 @@ def _split(qkv: torch.Tensor, num_q_heads, num_kv_heads, d: int, d_name: str):
     T = qkv.shape[0]
     q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=1)
     return q.view(T, hq, d), k.view(T, hkv, d), v.view(T, hkv, d)
+
+
+def vllm_per_token_head_views(kv_cache: torch.Tensor, head_size: int):
+    """Views of one layer of vLLM's ``fp8_per_token_head`` KV cache for
+    :func:`fused_qk_norm_rope_paged` (``cache_layout="NHD"``): ``(key_cache, value_cache,
+    k_scale_cache, v_scale_cache)``.
+
+    ``kv_cache``: vLLM's per-layer tensor, logical shape [num_blocks, Hkv, block_size,
+    2 (D + 4)] of uint8 (or float8_e4m3fn), any physical order with the last dim contiguous;
+    each (slot, head) cell holds ``[K row: D fp8 | K scale: fp32 | V row: D fp8 | V scale:
+    fp32]`` (vLLM 0.34's layout, read by its Triton attention as ``float(stored) * scale``).
+    Returns the FP8 rows [num_blocks, block_size, Hkv, D] and the float32 scales
+    [num_blocks, block_size, Hkv], views into ``kv_cache`` (no copy)."""
+    tensor_arg("kv_cache", kv_cache, 4, (torch.uint8, torch.float8_e4m3fn))
+    d = head_count("head_size", head_size)
+    if d % 4 or kv_cache.shape[-1] != 2 * (d + 4):
+        raise ValueError(f"kv_cache must have shape [num_blocks, Hkv, block_size, 2 (head_size "
+                         f"+ 4)] = [.., {2 * (d + 4)}] with head_size a multiple of 4, got "
+                         f"{list(kv_cache.shape)} and head_size {head_size}")
+    cell = kv_cache.view(torch.uint8).transpose(1, 2)  # [blocks, slots, Hkv, 2 (D + 4)]
+    try:
+        words = cell.view(torch.float32)  # the same cells as 4-byte words
+    except RuntimeError as e:
+        raise ValueError(f"kv_cache's cells must be contiguous and 4-byte aligned (as vLLM "
+                         f"allocates them): strides {list(kv_cache.stride())}, offset "
+                         f"{kv_cache.storage_offset()}") from e
+    fp8 = torch.float8_e4m3fn
+    return (cell[..., :d].view(fp8), cell[..., d + 4:2 * d + 4].view(fp8),
+            words[..., d // 4], words[..., (2 * d + 4) // 4])
 
 
 def fused_qkv_norm_rope_paged(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int,

@@ -21,7 +21,8 @@ from ..._interpret import interpreting
 from .._overlap import check_disjoint
 
 __all__ = ["HEAD_DIMS", "ACTIVATION_DTYPES", "FP8_CACHE_DTYPES", "INDEX_DTYPES", "FP32_MAX",
-           "FP32_TINY", "Options", "dtype_name", "tensor_arg", "scale_tensor", "scalar_on",
+           "FP32_TINY", "Options", "dtype_name", "tensor_arg", "scale_tensor", "scale_cache",
+           "scalar_on",
            "check_bhsd", "check_paged", "check_out", "head_count", "refuse_autograd",
            "check_overlap"]
 
@@ -164,13 +165,21 @@ def scale_tensor(name: str, scale, users: dict, heads: int, heads_name: str):
     output) as a float32 device tensor of 1 or ``heads`` elements (Python floats are cached per
     value and device); None where none of them is FP8, which must then come without it."""
     given = {n: t for n, t in users.items() if t is not None}
+    if not given:  # its only user takes per-token-head scales
+        if scale is not None:
+            raise ValueError(f"{name} is not used: {' and '.join(users)} takes per-token-head "
+                             f"scales ({name}_cache)")
+        return None
     fp8 = [n for n, t in given.items() if t.dtype in FP8_CACHE_DTYPES]
     device = next(iter(given.values())).device
     if not fp8:
         if scale is not None:
             got = ", ".join(f"{n} {dtype_name(t.dtype)}" for n, t in given.items())
+            dynamic = [n for n, t in users.items() if t is None]
+            here = (f" here ({' and '.join(dynamic)} takes per-token-head scales)"
+                    if dynamic else "")
             raise ValueError(f"{name} is only used with a float8_e4m3fn "
-                             f"{' or '.join(users)}, got {got}")
+                             f"{' or '.join(given)}{here}, got {got}")
         return None
     if scale is None:
         raise ValueError(f"{name} is required for a float8_e4m3fn {' and '.join(fp8)} (stored "
@@ -189,6 +198,22 @@ def scale_tensor(name: str, scale, users: dict, heads: int, heads_name: str):
                          f"elements on {device}, got shape {list(scale.shape)} on "
                          f"{scale.device}")
     return scale
+
+
+def scale_cache(name: str, cache_scales, cache_name: str, cache: torch.Tensor):
+    """A per-token-head scale cache (written by the op: each written row's float32 scale):
+    the shape of ``cache`` without its head_dim, ``cache`` in float8_e4m3fn; or None."""
+    if cache_scales is None:
+        return None
+    tensor_arg(name, cache_scales, cache.dim() - 1, (torch.float32,))
+    if cache.dtype not in FP8_CACHE_DTYPES:
+        raise ValueError(f"{name} holds the per-token-head scales of a float8_e4m3fn "
+                         f"{cache_name}, got a {dtype_name(cache.dtype)} {cache_name}")
+    _shape(name, cache_scales, tuple(cache.shape[:-1]), f"{cache_name}'s shape without D")
+    if cache_scales.device != cache.device:
+        raise ValueError(f"{name} is on {cache_scales.device} but {cache_name} is on "
+                         f"{cache.device}")
+    return cache_scales
 
 
 @functools.lru_cache(maxsize=64)
@@ -360,7 +385,8 @@ def refuse_autograd(layout: str, tensors: tuple) -> None:
                 f"it under torch.no_grad() / torch.inference_mode(), or pass {name}.detach()")
 
 
-def check_overlap(layout: str, tensors: tuple, k_scale, v_scale, q_scale=None) -> None:
+def check_overlap(layout: str, tensors: tuple, k_scale, v_scale, q_scale=None,
+                  k_scale_cache=None, v_scale_cache=None) -> None:
     """Outputs and caches share memory with no other argument, nor with themselves
     (``ValueError`` naming both; docs/design.md, "Overlap rule"); ``tensors``: the twelve of
     :data:`_NAMES` in the kernel's order. ``query_out`` may be ``query`` itself (and
@@ -369,7 +395,9 @@ def check_overlap(layout: str, tensors: tuple, k_scale, v_scale, q_scale=None) -
     names = _NAMES["bhsd" if layout == "bhsd" else "paged"]
     by_name = dict(zip(names, tensors))
     written = ("query_out", "key_out", "key_cache", "value_cache")
-    check_disjoint({n: by_name[n] for n in written},
+    check_disjoint({**{n: by_name[n] for n in written},
+                    **{n: t for n, t in (("k_scale_cache", k_scale_cache),
+                                         ("v_scale_cache", v_scale_cache)) if t is not None}},
                    {**{n: t for n, t in by_name.items() if n not in written},
                     "k_scale": k_scale, "v_scale": v_scale, "q_scale": q_scale},
                    identical_ok=(("query_out", "query"), ("key_out", "key")))

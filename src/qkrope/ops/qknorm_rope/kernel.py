@@ -19,7 +19,8 @@ Features are constexprs, compiled away when off:
 - ``W_OFFSET`` gives ``(offset + w)`` norm weights; ``HF_NORM`` HF's Qwen3RMSNorm rounding;
 - ``PAGED`` addresses the cache by ``(row // block_size, row % block_size)``;
   ``K_SCALED``/``V_SCALED`` (FP8 caches) and ``QO_SCALED``/``KO_SCALED`` (FP8 query/key
-  outputs) store ``saturate(x / scale)`` of the rotated rows.
+  outputs) store ``saturate(x / scale)`` of the rotated rows; ``K_DYN``/``V_DYN`` quantise each
+  written cache row with its own scale and store that scale too (vLLM's per-token-head).
 
 Interpreter (``TRITON_INTERPRET=1``) rules followed here: loads are upcast to fp32 at once and
 all arithmetic is fp32; every store is masked; libdevice is only reached behind the
@@ -302,34 +303,70 @@ def _round_e4m3(v):
 
 
 @triton.jit
+def _store_fp8(out_ptr, off, v, mask, INTERPRETER: tl.constexpr):
+    """Store fp32 ``v`` as e4m3: saturated to +-448, nearest even, NaN stored as NaN (a clamp
+    alone would turn an upstream NaN into in-range data)."""
+    clamped = tl.minimum(tl.maximum(v, -448.0), 448.0)
+    FP8 = out_ptr.dtype.element_ty
+    if INTERPRETER:
+        # The interpreter's cast turns NaN into 384: set NaN's bits (0x7F) directly.
+        bits = _round_e4m3(clamped).to(FP8).to(tl.uint8, bitcast=True)
+        stored = tl.where(v != v, 0x7F, bits).to(tl.uint8).to(FP8, bitcast=True)
+    else:
+        stored = tl.where(v != v, v, clamped).to(FP8)
+    tl.store(out_ptr + off, stored, mask=mask)
+
+
+@triton.jit
 def _store_scaled(out_ptr, off, vals, mask, scale_ptr, h, H, stride_scale,
                   SCALED: tl.constexpr, INTERPRETER: tl.constexpr, WIDE: tl.constexpr):
     """Store rows (a cache's, or a quantised output's); FP8 gets saturate(x / scale) (vLLM's
-    convention), NaN stored as NaN (a clamp alone would turn an upstream NaN into in-range
-    data)."""
+    convention) with a given per-tensor or per-head scale."""
     if SCALED:
         # Per-tensor scales come with stride 0; heads past H in the tile are masked.
         scale = tl.load(scale_ptr + _index(h, WIDE) * stride_scale, mask=h < H, other=1.0)
         # IEEE division (div.rn), as torch's x / scale: Triton's fp32 `/` is the approximate
         # div.full (up to 2 ulp), which can tip an e4m3 rounding (docs/design.md, "FP8 stores").
-        v = tl.math.div_rn(vals.to(tl.float32), scale.to(tl.float32))
-        clamped = tl.minimum(tl.maximum(v, -448.0), 448.0)
-        FP8 = out_ptr.dtype.element_ty
-        if INTERPRETER:
-            # The interpreter's cast turns NaN into 384: set NaN's bits (0x7F) directly.
-            bits = _round_e4m3(clamped).to(FP8).to(tl.uint8, bitcast=True)
-            stored = tl.where(v != v, 0x7F, bits).to(tl.uint8).to(FP8, bitcast=True)
-        else:
-            stored = tl.where(v != v, v, clamped).to(FP8)
-        tl.store(out_ptr + off, stored, mask=mask)
+        _store_fp8(out_ptr, off, tl.math.div_rn(vals.to(tl.float32), scale.to(tl.float32)),
+                   mask, INTERPRETER)
     else:
         tl.store(out_ptr + off, vals, mask=mask)
+
+
+# Triton's own max combine where it has one (the interpreter reduces it with numpy).
+_max_combine = getattr(tl.standard, "_elementwise_max", tl.maximum)
+
+
+@triton.jit
+def _row_amax(x):
+    """max |x| over a row (axis 2) of an fp32 tile, NaN counted as 0 -> [.., .., 1]."""
+    return tl.reduce(tl.where(x != x, 0.0, tl.abs(x)), 2, _max_combine)[:, :, None]
+
+
+@triton.jit
+def _token_head_scale(amax):
+    """vLLM's per-token-head FP8 scale of a row: max(amax / 448, 1e-6), in IEEE fp32
+    (docs/design.md, "Per-token-head scales")."""
+    return tl.maximum(tl.math.div_rn(amax, 448.0), 1e-6)
+
+
+@triton.jit
+def _scale_row(row, b, h, block_size, stride_b, stride_blk, stride_row, stride_h,
+               PAGED: tl.constexpr):
+    """Element offset of a written row's scale in a scale cache (the cache's addressing
+    without the head dim)."""
+    if PAGED:
+        off = (row // block_size) * stride_blk + (row % block_size) * stride_row
+    else:
+        off = row * stride_row
+    return off + b * stride_b + h * stride_h
 
 
 @triton.jit
 def qknorm_rope_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     q_w_ptr, k_w_ptr, inv_freq_ptr, q_out_ptr, k_out_ptr, k_scale_ptr, v_scale_ptr, q_scale_ptr,
+    k_scale_cache_ptr, v_scale_cache_ptr,
     eps, T, Hq, Hkv, rows_per_batch, block_size,
     stride_q_b, stride_q_h, stride_q_t, stride_q_d,
     stride_k_b, stride_k_h, stride_k_t, stride_k_d,
@@ -340,11 +377,14 @@ def qknorm_rope_kernel(
     stride_vc_b, stride_vc_blk, stride_vc_row, stride_vc_h, stride_vc_d,
     stride_pos_r, stride_pos_b, stride_pos_t, stride_slot,
     stride_q_w, stride_k_w, stride_inv_freq, stride_k_scale, stride_v_scale, stride_q_scale,
+    stride_ksc_b, stride_ksc_blk, stride_ksc_row, stride_ksc_h,
+    stride_vsc_b, stride_vsc_blk, stride_vsc_row, stride_vsc_h,
     D: tl.constexpr, ROT: tl.constexpr, GPTJ: tl.constexpr, HF_NORM: tl.constexpr,
     W_OFFSET: tl.constexpr, COS_SIN_SCALE: tl.constexpr, MROPE: tl.constexpr,
     SEC_T: tl.constexpr, SEC_H: tl.constexpr, SEC_W: tl.constexpr, PAGED: tl.constexpr,
     K_SCALED: tl.constexpr, V_SCALED: tl.constexpr, QO_SCALED: tl.constexpr,
-    KO_SCALED: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_T: tl.constexpr,
+    KO_SCALED: tl.constexpr, K_DYN: tl.constexpr, V_DYN: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_T: tl.constexpr,
     INTERPRETER: tl.constexpr, WIDE: tl.constexpr,
 ):
     """Grid: (cdiv(T, BLOCK_T), cdiv(Hq, BLOCK_HQ) + cdiv(Hkv, BLOCK_HKV), B).
@@ -424,9 +464,32 @@ def qknorm_rope_kernel(
             vc_row = row3 * stride_vc_row
         kc_row += b * stride_kc_b + hk_i * stride_kc_h
         vc_row += b * stride_vc_b + hk_i * stride_vc_h
-        _store_scaled(k_cache_ptr, kc_row + d_lo * stride_kc_d, k_lo, row_mask, k_scale_ptr, hk,
-                      Hkv, stride_k_scale, K_SCALED, INTERPRETER, WIDE)
-        _store_scaled(k_cache_ptr, kc_row + d_hi * stride_kc_d, k_hi, row_mask, k_scale_ptr, hk,
-                      Hkv, stride_k_scale, K_SCALED, INTERPRETER, WIDE)
-        _store_scaled(v_cache_ptr, vc_row + d_full * stride_vc_d, v, row_mask, v_scale_ptr, hk,
-                      Hkv, stride_v_scale, V_SCALED, INTERPRETER, WIDE)
+        if K_DYN:  # each row's own scale, stored too (docs/design.md, "Per-token-head scales")
+            k_sc = _token_head_scale(tl.maximum(_row_amax(k_lo.to(tl.float32)),
+                                                _row_amax(k_hi.to(tl.float32))))
+            k_r = tl.math.div_rn(1.0, k_sc)
+            _store_fp8(k_cache_ptr, kc_row + d_lo * stride_kc_d, k_lo.to(tl.float32) * k_r,
+                       row_mask, INTERPRETER)
+            _store_fp8(k_cache_ptr, kc_row + d_hi * stride_kc_d, k_hi.to(tl.float32) * k_r,
+                       row_mask, INTERPRETER)
+            tl.store(k_scale_cache_ptr + _scale_row(row3, b, hk_i, block_size, stride_ksc_b,
+                                                    stride_ksc_blk, stride_ksc_row,
+                                                    stride_ksc_h, PAGED),
+                     k_sc, mask=row_mask)
+        else:
+            _store_scaled(k_cache_ptr, kc_row + d_lo * stride_kc_d, k_lo, row_mask, k_scale_ptr,
+                          hk, Hkv, stride_k_scale, K_SCALED, INTERPRETER, WIDE)
+            _store_scaled(k_cache_ptr, kc_row + d_hi * stride_kc_d, k_hi, row_mask, k_scale_ptr,
+                          hk, Hkv, stride_k_scale, K_SCALED, INTERPRETER, WIDE)
+        if V_DYN:
+            v32 = v.to(tl.float32)
+            v_sc = _token_head_scale(_row_amax(v32))
+            _store_fp8(v_cache_ptr, vc_row + d_full * stride_vc_d,
+                       v32 * tl.math.div_rn(1.0, v_sc), row_mask, INTERPRETER)
+            tl.store(v_scale_cache_ptr + _scale_row(row3, b, hk_i, block_size, stride_vsc_b,
+                                                    stride_vsc_blk, stride_vsc_row,
+                                                    stride_vsc_h, PAGED),
+                     v_sc, mask=row_mask)
+        else:
+            _store_scaled(v_cache_ptr, vc_row + d_full * stride_vc_d, v, row_mask, v_scale_ptr,
+                          hk, Hkv, stride_v_scale, V_SCALED, INTERPRETER, WIDE)

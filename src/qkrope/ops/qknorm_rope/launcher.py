@@ -22,9 +22,10 @@ __all__ = ["TileConfig", "PER_CALL", "pick_config", "launch", "LAUNCHER", "wide_
 #: (``KernelLauncher.fast_call``): the input tensors' addresses, the outputs', then eps.
 PER_CALL = ("q_ptr", "k_ptr", "v_ptr", "pos_ptr", "k_cache_ptr", "v_cache_ptr", "slot_ptr",
             "q_w_ptr", "k_w_ptr", "inv_freq_ptr", "k_scale_ptr", "v_scale_ptr", "q_scale_ptr",
-            "q_out_ptr", "k_out_ptr", "eps")
+            "k_scale_cache_ptr", "v_scale_cache_ptr", "q_out_ptr", "k_out_ptr", "eps")
 LAUNCHER = KernelLauncher(qknorm_rope_kernel, PER_CALL,
-                          written=("k_cache_ptr", "v_cache_ptr", "q_out_ptr", "k_out_ptr"),
+                          written=("k_cache_ptr", "v_cache_ptr", "k_scale_cache_ptr",
+                                   "v_scale_cache_ptr", "q_out_ptr", "k_out_ptr"),
                           in_place=(("q_out_ptr", "q_ptr"), ("k_out_ptr", "k_ptr")),
                           outputs=(("q_out_ptr", "q_ptr"), ("k_out_ptr", "k_ptr")))
 
@@ -117,8 +118,8 @@ def _paged_args(layout: str, key_cache, value_cache, positions):
 
 
 def launch(query, key, value, positions, key_cache, value_cache, slots, q_norm_weight,
-           k_norm_weight, inv_freq, k_scale, v_scale, q_scale, query_out, key_out, rms_norm_eps,
-           opts: Options):
+           k_norm_weight, inv_freq, k_scale, v_scale, q_scale, k_scale_cache, v_scale_cache,
+           query_out, key_out, rms_norm_eps, opts: Options):
     """Launch the kernel on checked arguments (``opts`` canonical, scales as device tensors or
     None, memory overlap refused by ``checks.check_overlap``); returns ``(compiled kernel or
     None, grid, args, meta)``."""
@@ -141,6 +142,10 @@ def launch(query, key, value, positions, key_cache, value_cache, slots, q_norm_w
         k_scale_ptr=unused if k_scale is None else k_scale,
         v_scale_ptr=unused if v_scale is None else v_scale,
         q_scale_ptr=unused if q_scale is None else q_scale,
+        k_scale_cache_ptr=unused if k_scale_cache is None else k_scale_cache,
+        v_scale_cache_ptr=unused if v_scale_cache is None else v_scale_cache,
+        **_scale_cache_strides("ksc", opts.layout, k_scale_cache),
+        **_scale_cache_strides("vsc", opts.layout, v_scale_cache),
         eps=float(rms_norm_eps), Hq=Hq, Hkv=Hkv, stride_slot=slots.stride(0),
         stride_q_w=q_norm_weight.stride(0), stride_k_w=k_norm_weight.stride(0),
         stride_inv_freq=inv_freq.stride(0),
@@ -158,11 +163,12 @@ def launch(query, key, value, positions, key_cache, value_cache, slots, q_norm_w
         # FP8 stores: the caches, and the quantised outputs (docs/spec.md, R4).
         K_SCALED=key_cache.dtype != query.dtype, V_SCALED=value_cache.dtype != query.dtype,
         QO_SCALED=query_out.dtype != query.dtype, KO_SCALED=key_out.dtype != query.dtype,
+        K_DYN=k_scale_cache is not None, V_DYN=v_scale_cache is not None,
         BLOCK_HQ=cfg.block_hq, BLOCK_HKV=cfg.block_hkv, BLOCK_T=cfg.block_t,
         INTERPRETER=interpreting(),
         WIDE=wide_offsets(query, key, value, positions, key_cache, value_cache, slots,
                           q_norm_weight, k_norm_weight, inv_freq, k_scale, v_scale, q_scale,
-                          query_out, key_out),
+                          k_scale_cache, v_scale_cache, query_out, key_out),
         # The rounding points forbid contracting a product and a sum into one FMA.
         enable_fp_fusion=False, num_warps=cfg.num_warps)
     compiled = LAUNCHER.launch(grid, args, meta, query.device)
@@ -179,6 +185,21 @@ def wide_offsets(*tensors) -> bool:
             if hi - lo > 2**31 * x.element_size():
                 return True
     return False
+
+
+def _scale_cache_strides(name: str, layout: str, cache) -> dict:
+    """(batch, block, row, head) strides of a per-token-head scale cache: [B, Hkv, L], NHD
+    [num_blocks, block_size, Hkv] or HND [num_blocks, Hkv, block_size]; zeros without one."""
+    if cache is None:
+        s = (0, 0, 0, 0)
+    elif layout == "bhsd":
+        s = (cache.stride(0), 0, cache.stride(2), cache.stride(1))
+    elif layout == "NHD":
+        s = (0, cache.stride(0), cache.stride(1), cache.stride(2))
+    else:
+        s = (0, cache.stride(0), cache.stride(2), cache.stride(1))
+    return dict(zip((f"stride_{name}_b", f"stride_{name}_blk", f"stride_{name}_row",
+                     f"stride_{name}_h"), s))
 
 
 def _scale_stride(scale) -> int:

@@ -21,6 +21,9 @@ happens below):
   zero kept); NaN, from the data or the scale, is stored as the one NaN code 0x7F, as
   the GPU's conversion does (torch's cast keeps a NaN's sign: 0xFF for a negative NaN, which
   ``0 / 0`` is on x86).
+- R5 per-token-head FP8 caches (``k_scale_cache`` / ``v_scale_cache``): per written row,
+  ``s = max(amax(|x|) / 448, 1e-6)`` over its D elements (NaN not counted), stored
+  ``saturate(x * (1 / s))`` as R4, and ``s`` into the row's scale.
 
 By default both return fresh caches (as the public benchmark's reference does) and leave their
 arguments untouched; ``inplace=True`` writes the given caches.
@@ -31,7 +34,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["qknorm_rope_cache_ref", "qknorm_rope_paged_ref", "rms_norm_ref", "rope_angles_ref",
-           "cos_sin_ref", "rotate_ref", "qk_rotated_fp64", "quantize"]
+           "cos_sin_ref", "rotate_ref", "qk_rotated_fp64", "quantize", "quantize_token_head"]
 
 _FP8_MAX = {torch.float8_e4m3fn: 448.0}
 _FP8_NAN = 0x7F  # float8_e4m3fn's positive NaN: the code the kernel stores for every NaN
@@ -87,19 +90,34 @@ def rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim
     return torch.cat((out, tail), dim=-1)
 
 
+def _e4m3(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 ``q`` saturated to +-448 and rounded to e4m3 (nearest even); NaN as 0x7F."""
+    lim = _FP8_MAX[dtype]
+    stored = torch.where(q.isnan(), q, q.clamp(-lim, lim)).to(dtype)
+    return torch.where(q.isnan(), _FP8_NAN, stored.view(torch.uint8)).view(dtype)
+
+
 def quantize(rows: torch.Tensor, cache_dtype: torch.dtype, scale, head_dim_axis: int):
     """R4 for FP8 caches (per-tensor or per-head ``scale``); a plain cast otherwise."""
     if cache_dtype in _FP8_MAX:
-        lim = _FP8_MAX[cache_dtype]
         scale = torch.as_tensor(scale, dtype=torch.float32, device=rows.device).reshape(-1)
         if scale.numel() > 1:  # per head
             shape = [1] * rows.dim()
             shape[head_dim_axis] = -1
             scale = scale.view(shape)
-        q = rows.float() / scale
-        stored = torch.where(q.isnan(), q, q.clamp(-lim, lim)).to(cache_dtype)
-        return torch.where(q.isnan(), _FP8_NAN, stored.view(torch.uint8)).view(cache_dtype)
+        return _e4m3(rows.float() / scale, cache_dtype)
     return rows.to(cache_dtype)
+
+
+def quantize_token_head(rows: torch.Tensor, cache_dtype: torch.dtype):
+    """R5, per-token-head dynamic FP8 (vLLM's ``fp8_per_token_head``): each row of the last
+    dim gets ``s = max(amax(|x|) / 448, 1e-6)`` (NaN not counted) and is stored as
+    ``saturate(x * (1 / s))``, every operation one IEEE fp32 rounding. Returns ``(codes,
+    scales)``, the scales shaped as ``rows`` without its last dim."""
+    x = rows.float()
+    amax = torch.where(x.isnan(), 0.0, x.abs()).amax(-1)
+    scales = torch.clamp_min(amax / _FP8_MAX[cache_dtype], 1e-6)
+    return _e4m3(x * (1.0 / scales)[..., None], cache_dtype), scales
 
 
 def _into(rotated, out, scale):
@@ -136,8 +154,9 @@ def qknorm_rope_cache_ref(
     q_norm_weight, k_norm_weight, inv_freq, rms_norm_eps, *,
     rotary_style: str = "neox", rotary_dim: int | None = None, norm_weight_offset: float = 0.0,
     norm_rounding: str = "weight_fp32", cos_sin_scale: float = 1.0, mrope_section=None,
-    mrope_interleaved: bool = False, k_scale=None, v_scale=None, q_scale=None, query_out=None,
-    key_out=None, inplace: bool = False, skip_out_of_range: bool = True,
+    mrope_interleaved: bool = False, k_scale=None, v_scale=None, q_scale=None,
+    k_scale_cache=None, v_scale_cache=None, query_out=None, key_out=None,
+    inplace: bool = False, skip_out_of_range: bool = True,
 ):
     """Oracle of :func:`qkrope.fused_rope_with_qk_norm_and_kv_cache_update` (same arguments).
 
@@ -162,8 +181,13 @@ def qknorm_rope_cache_ref(
         L = key_cache.shape[2]
         keep = (rows >= 0) & (rows < L)
         rows, k_new, v_new = rows[keep], k_rot[:, :, keep], value[:, :, keep]
-    for cache, new, scale in ((key_cache, k_new, k_scale), (value_cache, v_new, v_scale)):
-        new = quantize(new, cache.dtype, scale, 1)
+    for cache, new, scale, scale_cache in ((key_cache, k_new, k_scale, k_scale_cache),
+                                           (value_cache, v_new, v_scale, v_scale_cache)):
+        if scale_cache is not None:  # R5: each row's own scale, written beside it
+            new, scales = quantize_token_head(new, cache.dtype)
+            scale_cache.index_copy_(2, rows, scales)
+        else:
+            new = quantize(new, cache.dtype, scale, 1)
         if cache.dtype in _FP8_MAX:  # index_copy_ has no float8 kernels: copy the bytes
             cache, new = cache.view(torch.uint8), new.view(torch.uint8)
         cache.index_copy_(2, rows, new)
@@ -176,8 +200,8 @@ def qknorm_rope_paged_ref(
     cache_layout: str = "NHD", rotary_style: str = "neox", rotary_dim: int | None = None,
     norm_weight_offset: float = 0.0, norm_rounding: str = "weight_fp32",
     cos_sin_scale: float = 1.0, mrope_section=None, mrope_interleaved: bool = False,
-    k_scale=None, v_scale=None, q_scale=None, query_out=None, key_out=None,
-    inplace: bool = False, skip_out_of_range: bool = True,
+    k_scale=None, v_scale=None, q_scale=None, k_scale_cache=None, v_scale_cache=None,
+    query_out=None, key_out=None, inplace: bool = False, skip_out_of_range: bool = True,
 ):
     """Oracle of :func:`qkrope.fused_qk_norm_rope_paged` (same arguments).
 
@@ -201,8 +225,16 @@ def qknorm_rope_paged_ref(
         keep = (slots >= 0) & (slots < key_cache.shape[0] * block_size)  # int64, as above
         slots, k_new, v_new = slots[keep], k_rot[keep], value[keep]
     block, offset = slots // block_size, slots % block_size
-    for cache, rows, scale in ((key_cache, k_new, k_scale), (value_cache, v_new, v_scale)):
-        rows = quantize(rows, cache.dtype, scale, 1)
+    for cache, rows, scale, scale_cache in ((key_cache, k_new, k_scale, k_scale_cache),
+                                            (value_cache, v_new, v_scale, v_scale_cache)):
+        if scale_cache is not None:  # R5
+            rows, scales = quantize_token_head(rows, cache.dtype)
+            if cache_layout == "NHD":
+                scale_cache[block, offset] = scales
+            else:
+                scale_cache[block, :, offset] = scales
+        else:
+            rows = quantize(rows, cache.dtype, scale, 1)
         if cache_layout == "NHD":
             cache[block, offset] = rows
         else:

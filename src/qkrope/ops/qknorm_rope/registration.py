@@ -36,6 +36,8 @@ def _qknorm_rope(
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
     q_scale: torch.Tensor | None,
+    k_scale_cache: torch.Tensor | None,
+    v_scale_cache: torch.Tensor | None,
     query_out: torch.Tensor,
     key_out: torch.Tensor,
     rms_norm_eps: float,
@@ -46,14 +48,17 @@ def _qknorm_rope(
     their version counters."""
     opts = _options(options)
     inputs = (query, key, value, positions, key_cache, value_cache, slots, q_norm_weight,
-              k_norm_weight, inv_freq, k_scale, v_scale, q_scale)
+              k_norm_weight, inv_freq, k_scale, v_scale, q_scale, k_scale_cache,
+              v_scale_cache)
     if LAUNCHER.fast_call(opts, inputs, (query_out, key_out), (rms_norm_eps,)) is None:
         # The fast path runs the overlap rules natively; a checked launch runs them here.
         check_overlap(opts.layout, (*inputs[:10], query_out, key_out), k_scale, v_scale,
-                      q_scale)
+                      q_scale, k_scale_cache, v_scale_cache)
         launched = launch(*inputs, query_out, key_out, rms_norm_eps, opts)
         LAUNCHER.remember(opts, inputs, (query_out, key_out), launched, query.get_device())
-        torch._C._increment_version((key_cache, value_cache, query_out, key_out))
+        torch._C._increment_version(tuple(t for t in (key_cache, value_cache, k_scale_cache,
+                                                      v_scale_cache, query_out, key_out)
+                                          if t is not None))
 
 
 def options_key(opts: Options) -> str:
@@ -69,4 +74,5 @@ def _options(key: str) -> Options:
 
 
 qknorm_rope = custom_op("qknorm_rope", _qknorm_rope,
-                        mutates_args=("key_cache", "value_cache", "query_out", "key_out"))
+                        mutates_args=("key_cache", "value_cache", "k_scale_cache",
+                                      "v_scale_cache", "query_out", "key_out"))

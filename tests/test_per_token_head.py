@@ -1,0 +1,198 @@
+"""Per-token-head dynamic FP8 KV scales (``k_scale_cache`` / ``v_scale_cache``): each written
+row quantised with its own scale ``max(amax / 448, 1e-6)``, the scale written beside it, in
+vLLM 0.34's ``fp8_per_token_head`` cache layout (``qkrope.vllm_per_token_head_views``) and in
+separate scale tensors; both entry points; special rows; skipped rows untouched. CPU: the real
+kernel in Triton's interpreter."""
+
+import pytest
+import torch
+from helpers import DEVICE, Case, make_inputs
+from test_qknorm_rope import PCase, make
+
+import qkrope
+from qkrope.ops.qknorm_rope.reference import quantize_token_head
+
+FP8 = torch.float8_e4m3fn
+POISON = -7.0  # scale-cache entries no call should touch
+
+
+def vllm_cache(nb, Hkv, bs, D, generator):
+    """A per-layer vLLM fp8_per_token_head cache of random bytes (its rows and scales are
+    whatever was there) and the four views the op writes through."""
+    raw = torch.randint(0, 256, (nb, Hkv, bs, 2 * (D + 4)), dtype=torch.uint8,
+                        generator=generator).to(DEVICE)
+    views = qkrope.vllm_per_token_head_views(raw, D)
+    views[2].fill_(POISON)
+    views[3].fill_(POISON)
+    return raw, views
+
+
+def vllm_read(raw, slot, head, D):
+    """Decode one (slot, head) cell as vLLM's Triton attention reads it: the FP8 bytes as
+    float times the float32 scale stored after them, for K and for V."""
+    bs = raw.shape[2]
+    cell = raw[slot // bs, head, slot % bs]
+    k = cell[:D].view(FP8).float() * cell[D:D + 4].view(torch.float32)
+    v = cell[D + 4:2 * D + 4].view(FP8).float() * cell[2 * D + 4:].view(torch.float32)
+    return k, v
+
+
+def fp8_error_bound(x, scale):
+    """|decoded - x| an e4m3 rounding allows: half an ulp of 3 mantissa bits, or half the
+    subnormal step (2**-9 of the scale) near zero."""
+    return torch.maximum(x.abs() * 2.0**-4, scale * 2.0**-10) * 1.0001
+
+
+@pytest.mark.parametrize("layout", ["vllm", "NHD", "HND"])
+def test_paged_rows_and_scales_as_vllm_reads_them(layout):
+    c = PCase(T=11, Hq=4, Hkv=2, D=64, num_blocks=4, block_size=8, layout="NHD" if layout ==
+              "vllm" else layout, seed=5)
+    args, kwargs = make(c)
+    g = torch.Generator().manual_seed(1)
+    if layout == "vllm":
+        raw, (kc, vc, ksc, vsc) = vllm_cache(c.num_blocks, c.Hkv, c.block_size, c.D, g)
+    else:
+        kc, vc = args[4].to(FP8), args[5].to(FP8)
+        ksc = torch.full(kc.shape[:-1], POISON, device=DEVICE)
+        vsc = torch.full(vc.shape[:-1], POISON, device=DEVICE)
+    before = [t.clone() for t in (kc.view(torch.uint8), vc.view(torch.uint8), ksc, vsc)]
+    call = (*args[:4], kc, vc, *args[6:])
+    q_rot, k_rot = qkrope.fused_qk_norm_rope_paged(*call, **kwargs, k_scale_cache=ksc,
+                                                   v_scale_cache=vsc)
+    # The oracle on copies of the same caches: V (not rotated) bit for bit; K from the
+    # kernel's own rotated rows bit for bit (and from the oracle's but for a rare last ulp).
+    r = [t.clone() for t in (kc, vc, ksc, vsc)]
+    ref = qkrope.reference_paged(*args[:4], r[0], r[1], *args[6:], **kwargs, k_scale_cache=r[2],
+                                 v_scale_cache=r[3], inplace=True)
+    assert torch.equal(vc.view(torch.uint8), r[1].view(torch.uint8))
+    assert torch.equal(vsc, r[3])
+    assert (kc.view(torch.uint8) == r[0].view(torch.uint8)).float().mean() > 0.99
+    slots, bs = args[6].long().cpu(), c.block_size
+    written = torch.zeros(c.num_blocks * bs, dtype=torch.bool)
+    for t, slot in enumerate(slots.tolist()):
+        if not 0 <= slot < c.num_blocks * bs:
+            continue
+        written[slot] = True
+        blk, off = slot // bs, slot % bs
+        codes, scales = quantize_token_head(k_rot[t], FP8)  # [Hkv, D], [Hkv]
+        got = kc[blk, off] if c.layout == "NHD" else kc[blk, :, off]
+        got_s = ksc[blk, off] if c.layout == "NHD" else ksc[blk, :, off]
+        assert torch.equal(got.view(torch.uint8), codes.view(torch.uint8))
+        assert torch.equal(got_s, scales)
+        if layout == "vllm":
+            for h in range(c.Hkv):
+                k, v = vllm_read(raw, slot, h, c.D)
+                assert ((k - k_rot[t, h].float()).abs()
+                        <= fp8_error_bound(k_rot[t, h].float(), scales[h])).all()
+                vt = args[2][t, h].float()
+                assert ((v - vt).abs() <= fp8_error_bound(vt, vsc[blk, off, h])).all()
+    # Every slot no token names keeps its rows and scales, bit for bit.
+    def rows_of(t, slot_mask):
+        t = t.flatten(0, 1) if c.layout == "NHD" else t.transpose(1, 2).flatten(0, 1)
+        return t[slot_mask.to(t.device)]
+    for new, old in zip((kc.view(torch.uint8), vc.view(torch.uint8), ksc, vsc), before):
+        assert torch.equal(rows_of(new, ~written), rows_of(old, ~written))
+    assert ref[0].shape == q_rot.shape
+
+
+def test_bhsd_entry_point_with_scale_caches():
+    args = make_inputs(Case(B=2, Hq=4, Hkv=2, S=5, L=16, pad_rows=(1,), far_rows=(3,)))
+    kc, vc = args[4].to(FP8), args[5].to(FP8)
+    ksc = torch.full(kc.shape[:-1], POISON, device=DEVICE)  # [B, Hkv, L]
+    vsc = torch.full(vc.shape[:-1], POISON, device=DEVICE)
+    call = (*args[:4], kc, vc, *args[6:])
+    r = [t.clone() for t in (kc, vc, ksc, vsc)]
+    q_rot, k_rot, _, _ = qkrope.run(*call, k_scale_cache=ksc, v_scale_cache=vsc)
+    qkrope.reference(*args[:4], r[0], r[1], *args[6:], k_scale_cache=r[2], v_scale_cache=r[3],
+                     inplace=True)
+    assert torch.equal(vc.view(torch.uint8), r[1].view(torch.uint8)) and torch.equal(vsc, r[3])
+    rows = args[6].long()
+    keep = (rows >= 0) & (rows < kc.shape[2])
+    codes, scales = quantize_token_head(k_rot[:, :, keep.cpu()], FP8)
+    assert torch.equal(kc[:, :, rows[keep]].view(torch.uint8), codes.view(torch.uint8))
+    assert torch.equal(ksc[:, :, rows[keep]], scales)
+    untouched = torch.ones(kc.shape[2], dtype=torch.bool, device=DEVICE)
+    untouched[rows[keep]] = False
+    assert (ksc[:, :, untouched] == POISON).all() and (vsc[:, :, untouched] == POISON).all()
+
+
+def test_zero_nan_inf_and_huge_rows():
+    args, kwargs = make(PCase(T=4, Hq=2, Hkv=2, D=64, seed=7))
+    v = args[2].clone()
+    v[0, 0] = 0                        # all zeros: scale 1e-6, codes 0
+    v[0, 1, 3] = float("nan")          # NaN: not in the amax, stored as 0x7F
+    v[1, 0, 5] = float("inf")          # inf: scale inf, the row 0 but the inf (NaN)
+    v[1, 1] = 3e4                      # huge: scale 3e4 / 448, codes 448
+    slots = torch.tensor([0, 1, 2, 3], device=DEVICE, dtype=args[6].dtype)
+    kc, vc = args[4].to(FP8), args[5].to(FP8)
+    ksc = torch.full(kc.shape[:-1], POISON, device=DEVICE)
+    vsc = torch.full(vc.shape[:-1], POISON, device=DEVICE)
+    call = (*args[:2], v, args[3], kc, vc, slots, *args[7:])
+    qkrope.fused_qk_norm_rope_paged(*call, **kwargs, k_scale_cache=ksc, v_scale_cache=vsc)
+    codes, scales = quantize_token_head(v, FP8)
+    assert torch.equal(vc[0, :4].view(torch.uint8), codes.view(torch.uint8))
+    assert torch.equal(vsc[0, :4], scales)
+    assert vsc[0, 0, 0] == torch.tensor(1e-6) and (vc[0, 0, 0].view(torch.uint8) == 0).all()
+    nan_codes = vc[0, 0, 1].view(torch.uint8)
+    assert nan_codes[3] == 0x7F and (nan_codes[torch.arange(64) != 3] != 0x7F).all()
+    assert vsc[0, 1, 0] == float("inf") and vc[0, 1, 0].view(torch.uint8)[5] == 0x7F
+    assert (vc[0, 1, 1].float().abs() == 448).all()
+
+
+def test_scale_caches_under_torch_compile_equal_eager():
+    args, kwargs = make(PCase(T=5, seed=8))
+    out = []
+    for compiled in (False, True):
+        kc, vc = args[4].to(FP8), args[5].to(FP8)
+        ksc = torch.full(kc.shape[:-1], POISON, device=DEVICE)
+        vsc = torch.full(vc.shape[:-1], POISON, device=DEVICE)
+        fn = (lambda *a: qkrope.fused_qk_norm_rope_paged(*a, **kwargs, k_scale_cache=ksc,
+                                                         v_scale_cache=vsc))
+        if compiled:
+            torch._dynamo.reset()
+            fn = torch.compile(fn, fullgraph=True)
+        fn(*args[:4], kc, vc, *args[6:])
+        out.append((kc.view(torch.uint8), vc.view(torch.uint8), ksc, vsc))
+    for a, b in zip(*out):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("change, error, words", [
+    ("bf16 caches", ValueError,
+     "k_scale_cache holds the per-token-head scales of a float8_e4m3fn key_cache"),
+    (lambda kc, vc, ksc, vsc: (kc, vc, ksc[:, :, :1], vsc), ValueError,
+     "k_scale_cache must have shape"),
+    (lambda kc, vc, ksc, vsc: (kc, vc, ksc.double(), vsc), TypeError,
+     "k_scale_cache must be float32"),
+    (lambda kc, vc, ksc, vsc: (kc, vc, ksc, ksc), ValueError,
+     "overlaps"),
+])
+def test_scale_cache_arguments_are_checked_by_name(change, error, words):
+    args, kwargs = make(PCase(T=3, seed=9))
+    kc, vc = args[4].to(FP8), args[5].to(FP8)
+    ksc, vsc = (torch.zeros(kc.shape[:-1], device=DEVICE) for _ in range(2))
+    if change == "bf16 caches":
+        kc, vc, vsc = args[4], args[5], None
+    else:
+        kc, vc, ksc, vsc = change(kc, vc, ksc, vsc)
+    with pytest.raises(error, match=words):
+        qkrope.fused_qk_norm_rope_paged(*args[:4], kc, vc, *args[6:], **kwargs,
+                                        k_scale_cache=ksc, v_scale_cache=vsc)
+
+
+def test_static_and_dynamic_scales_are_exclusive_per_cache():
+    args, kwargs = make(PCase(T=3, cache_dtype=FP8, seed=10))  # kwargs carry k_scale, v_scale
+    kc, vc = args[4], args[5]
+    with pytest.raises(ValueError, match="k_scale is only used with a float8_e4m3fn key_out"):
+        qkrope.fused_qk_norm_rope_paged(*args, **kwargs,
+                                        k_scale_cache=torch.zeros(kc.shape[:-1], device=DEVICE))
+    kwargs.pop("k_scale")
+    with pytest.raises(ValueError, match="v_scale is not used"):
+        qkrope.fused_qk_norm_rope_paged(*args, **kwargs,
+                                        k_scale_cache=torch.zeros(kc.shape[:-1], device=DEVICE),
+                                        v_scale_cache=torch.zeros(vc.shape[:-1], device=DEVICE))
+
+
+def test_vllm_views_refuse_a_cache_of_another_shape():
+    with pytest.raises(ValueError, match="2 \\(head_size \\+ 4\\)"):
+        qkrope.vllm_per_token_head_views(torch.zeros(2, 2, 4, 128, dtype=torch.uint8), 64)
