@@ -11,6 +11,7 @@
 #   bash benchmarks/device_session.sh sweep      # --sweep vs torch.compile, 96/8 and 32/8 heads
 #   bash benchmarks/device_session.sh presets    # sweeps: qwen3-32b, qwen3-vl-8b, qwen3.5-27b
 #   bash benchmarks/device_session.sh e2e [PRESET] # qkrope bench --e2e: the model, stock vs patched
+#   bash benchmarks/device_session.sh quant      # qkrope only, bf16 vs each quantised mode, both layouts
 #   bash benchmarks/device_session.sh tiles      # tile sweep on the mid-size workloads
 #   bash benchmarks/device_session.sh small-tiles # one head per program vs tiles, 1-64 tokens, 5 models
 #   bash benchmarks/device_session.sh trig       # trig cost: kernel variants trig_hw, no_trig
@@ -48,6 +49,18 @@ case "${1:-tests}" in
          done ;;
   e2e)   python3 -m qkrope bench --e2e ${2:+--model $2} --json "$OUT/e2e.json" \
            --plot "$OUT/e2e.png" 2>&1 | tee "$OUT/e2e.md" ;;
+  quant) # the quantised modes against bf16 outputs, one run each (~8 min in all)
+    for layout in bhsd paged; do
+      for mode in bf16 fp8 fp8-pth fp8-pth-q8; do
+        case $mode in bf16) f="";; fp8) f="--kv-dtype fp8";;
+          fp8-pth) f="--kv-dtype fp8 --kv-scales per-token-head";;
+          fp8-pth-q8) f="--kv-dtype fp8 --kv-scales per-token-head --q-out fp8";; esac
+        # (markdown only: the device tool returns at most 8 files)
+        python3 -m qkrope bench --impl qkrope --layout $layout $f --no-graph --host-calls 500 \
+          > "$OUT/quant-$layout-$mode.md" 2>&1
+        echo "$layout $mode rc=$?"; grep -E "Geometric" "$OUT/quant-$layout-$mode.md"
+      done
+    done ;;
   tiles) python3 benchmarks/tile_sweep.py --rows 3,4,6,8,10 \
            --configs pick 16,8,1,2 8,8,2,2 16,8,2,2 8,4,2,1 32,8,1,4 4,4,4,2 \
            --json "$OUT/tiles.json" 2>&1 | tee "$OUT/tiles.md" ;;

@@ -273,3 +273,49 @@ def test_paged_prefill_inputs_hold_every_batch_row():
     slots, key_cache = args[6], args[4]
     assert int(slots.max()) < key_cache.shape[0] * PAGED_BLOCK_SIZE
     assert slots.tolist() == list(range(3, 3 + 20))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path of the CLI")
+@pytest.mark.parametrize("flags, says", [
+    (["--kv-dtype", "fp8", "--kv-scales", "per-token-head", "--q-out", "fp8"],
+     "FP8 caches, per-token-head scales, FP8 query output"),
+    (["--layout", "paged", "--kv-dtype", "fp8", "--model", "qwen3-0.6b"],
+     "FP8 caches, per-tensor scales, bf16 query output"),
+])
+def test_cli_quantised_modes_on_cpu(capsys, flags, says):
+    rc = main(["bench", "--shape", "5,3,2", *flags])
+    out = capsys.readouterr().out
+    assert rc == 0 and says in out and out.count("| pass |") == 1
+
+
+def test_quantised_mode_checks_have_teeth(monkeypatch, capsys):
+    # An FP8 query output one code off in 2% of its elements fails after dequantisation.
+    from qkrope.bench import impls
+    from qkrope.ops.qknorm_rope.api import fused_rope_with_qk_norm_and_kv_cache_update as op
+
+    def wrong(*args, **kw):
+        out = op(*args, **kw)
+        codes = out[0].view(torch.uint8).view(-1)
+        codes[: codes.numel() // 50] ^= 0x08  # an exponent bit: twice or half the value
+        return out
+
+    monkeypatch.setitem(impls.IMPLS, "qkrope", impls.Impl("qkrope", "wrong", lambda: wrong))
+    assert main(["bench", "--shape", "3,1,1", "--model", "qwen3-0.6b", "--q-out", "fp8"]) == 1
+    assert "FAIL (98.0%)" in capsys.readouterr().out
+
+
+def test_quantised_bytes_model():
+    from qkrope.bench.quant import Quant
+    from qkrope.suite import DEFAULT_MODEL
+
+    w, g = SUITE[0], DEFAULT_MODEL
+    assert Quant().bytes_moved(w, g) == bytes_moved(w, g)
+    hq, hkv, d = g.num_q_heads, g.num_kv_heads, g.head_dim
+    # FP8 query output and cache rows: one byte less per element; per-token-head: 4 B a row.
+    assert Quant("fp8", "per-token-head", "fp8").bytes_moved(w, g) == (
+        bytes_moved(w, g) - w.tokens * (hq * d + 2 * hkv * d - 2 * hkv * 4))
+
+
+def test_cli_refuses_per_token_head_scales_without_fp8_caches(capsys):
+    assert main(["bench", "--kv-scales", "per-token-head"]) == 2
+    assert "--kv-scales per-token-head needs --kv-dtype fp8" in capsys.readouterr().err

@@ -8,6 +8,7 @@ import json
 import os
 import sys
 
+from .bench import quant
 from .bench.e2e import MODES, PHASES, PRESETS
 from .bench.runner import NATIVE_WAIT_S, InputsTooLarge, ProgressBar, sweep_workloads
 from .suite import (
@@ -82,32 +83,29 @@ def _shape(text: str) -> Workload:
 
 
 def _positive_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
+    values = _int_list(text, "a positive integer")
+    if len(values) != 1:
         raise argparse.ArgumentTypeError(f"wants a positive integer, got {text!r}")
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"wants a positive integer, got {text!r}")
-    return n
+    return values[0]
 
 
 def _seconds(text: str) -> float:
     try:
         t = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"wants seconds (a number >= 0), got {text!r}")
+        t = -1.0
     if not 0 <= t < float("inf"):
         raise argparse.ArgumentTypeError(f"wants seconds (a number >= 0), got {text!r}")
     return t
 
 
-def _int_list(text: str) -> list[int]:
+def _int_list(text: str, what: str = "comma-separated positive integers") -> list[int]:
     try:
         values = [int(x) for x in text.split(",")]
     except ValueError:
         values = []
     if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"wants comma-separated positive integers, got {text!r}")
+        raise argparse.ArgumentTypeError(f"wants {what}, got {text!r}")
     return values
 
 
@@ -216,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "matplotlib; without a CUDA GPU nothing is timed, so no plot is "
                         "written, and the rest of the run goes ahead)")
 
+    quant.add_arguments(b)
     e = b.add_argument_group(
         "end to end (--e2e)",
         "A Qwen3-family model (random weights, a few layers at a preset's width), stock vs "
@@ -297,14 +296,22 @@ def _workloads(args) -> list[Workload]:
     return list(PAGED_SUITE if args.layout == "paged" else SUITE)
 
 
-def _check_paths(args) -> None:
-    """--json and --plot name files whose folder exists (checked before any work)."""
+def _check_paths(args, timed: bool) -> None:
+    """--json and --plot name files whose folder exists, and a plot that will be drawn has
+    matplotlib (checked before any work). Without a GPU nothing is timed, so nothing is
+    plotted: the run (and --json) goes ahead and says so at the end."""
     for opt, path in (("--json", args.json), ("--plot", args.plot)):
         folder = os.path.dirname(os.path.abspath(path)) if path else None
         if folder and not os.path.isdir(folder):
             raise UsageError(f"{opt} {path}: folder {folder} does not exist")
         if path and os.path.isdir(path):
             raise UsageError(f"{opt} {path}: is a folder; give a file name")
+    if args.plot and timed:
+        try:
+            importlib.import_module("matplotlib")
+        except ImportError:
+            raise UsageError("--plot needs matplotlib: pip install 'qkrope[plot]' (or drop "
+                             "--plot)") from None
 
 
 def _check_requests(args, timed: bool, workloads: list[Workload]) -> list[str]:
@@ -321,15 +328,7 @@ def _check_requests(args, timed: bool, workloads: list[Workload]) -> list[str]:
                              f"choose from {', '.join(ALL_IMPLS)}")
         if not impls:
             raise UsageError("--impl: no implementation named")
-    _check_paths(args)
-    # Without a GPU nothing is timed, so nothing is plotted: the run (and --json) goes ahead and
-    # says so at the end; matplotlib is only needed where a plot will be drawn.
-    if args.plot and timed:
-        try:
-            importlib.import_module("matplotlib")
-        except ImportError:
-            raise UsageError("--plot needs matplotlib: pip install 'qkrope[plot]' (or drop "
-                             "--plot)") from None
+    _check_paths(args, timed)
     if args.cache_len is not None:
         from .suite import cache_rows_needed
 
@@ -370,12 +369,7 @@ def _bench_e2e(args) -> int:
     if args.shape or args.sweep or args.layout != "bhsd" or args.impl:
         raise UsageError("--e2e runs whole models: --shape, --sweep, --layout and --impl do "
                          "not apply")
-    _check_paths(args)
-    if args.plot and torch.cuda.is_available():
-        try:
-            importlib.import_module("matplotlib")
-        except ImportError:
-            raise UsageError("--plot needs matplotlib: pip install 'qkrope[plot]'") from None
+    _check_paths(args, torch.cuda.is_available())
     err = Console(stderr=True)
     return run_command(args, err, ProgressBar(err))
 
@@ -397,6 +391,10 @@ def _bench(args) -> int:
         raise UsageError("--shape and --sweep both choose the workloads: give one")
     workloads = _workloads(args)
     impls = _check_requests(args, timed, workloads)
+    try:
+        mode = quant.Quant.from_args(args)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     geometry = MODELS[args.model]
     cache_len = args.cache_len
     if (cache_len is None and timed and not (args.shape or args.sweep)
@@ -423,7 +421,7 @@ def _bench(args) -> int:
                 host_calls=args.host_calls, graphs=not args.no_graph,
                 benchmark_inputs=args.benchmark_inputs, cache_capacity=cache_len,
                 seed=args.seed, progress=bar, layout=args.layout, full_size=args.full,
-                native_wait_s=args.native_wait, on_update=keep)
+                native_wait_s=args.native_wait, on_update=keep, quant=mode)
     except KeyboardInterrupt:
         where = (f"; partial results written to {written[0]}" if written else
                  f"; nothing written to {args.json} yet" if args.json else "")

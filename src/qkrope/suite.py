@@ -252,11 +252,16 @@ def check_outputs(outputs, reference, atol: float, rtol: float = 0.05) -> list[T
 
 
 def bytes_moved(workload: Workload, geometry: ModelGeometry = DEFAULT_MODEL,
-                elem_bytes: int = 2) -> int:
+                elem_bytes: int = 2, q_out_bytes: int | None = None,
+                cache_bytes: int | None = None, row_scale_bytes: int = 0) -> int:
     """Minimum DRAM traffic of one call: Q read+write, K read+write+cache row, V
-    read+cache row, plus 16 B of position indices per token."""
-    per_token = (2 * geometry.num_q_heads + 5 * geometry.num_kv_heads) * geometry.head_dim
-    return workload.tokens * per_token * elem_bytes + workload.tokens * 16
+    read+cache row, plus 16 B of position indices per token. Quantised modes: the query output
+    and the cache rows at their element sizes, and a scale per written row and head."""
+    hq, hkv, d = geometry.num_q_heads, geometry.num_kv_heads, geometry.head_dim
+    q_out, cache = q_out_bytes or elem_bytes, cache_bytes or elem_bytes
+    per_token = (hq * d * (elem_bytes + q_out) + 3 * hkv * d * elem_bytes
+                 + 2 * hkv * (d * cache + row_scale_bytes))
+    return workload.tokens * (per_token + 16)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -100,8 +100,10 @@ def render_markdown(report: BenchReport, main: str | None = None) -> str:
     lines = []
     env = report.environment
     layout = report.settings.get("layout", "bhsd")
+    quant = report.settings.get("quant", "bf16 caches and outputs")
     lines.append(f"qkrope bench — {env.get('gpu') or 'no CUDA device'} — layout {layout} — "
-                 f"model {report.model} "
+                 + (f"{quant} — " if quant != "bf16 caches and outputs" else "")
+                 + f"model {report.model} "
                  f"({report.geometry['num_q_heads']}/{report.geometry['num_kv_heads']}/"
                  f"{report.geometry['head_dim']}) — torch {env['torch']}, triton {env['triton']}, "
                  f"qkrope {env['qkrope']}"

@@ -18,10 +18,11 @@ import triton
 
 from ..suite import (
     DEFAULT_MODEL, REDUCED_MAX_BATCH, REDUCED_MAX_SEQ, SUITE, ModelGeometry, Workload,
-    bytes_moved, check_outputs, reduced_geometry, reduced_workload,
+    check_outputs, reduced_geometry, reduced_workload,
 )
 from .env import environment
 from .impls import LAYOUTS, default_impls, peer_unavailable, resolve_impls, with_fresh_caches
+from .quant import QUANT_IMPLS, Quant
 from .report import (
     BenchReport, ImplResult, WorkloadResult, render_markdown, write_json, write_plot,
 )
@@ -221,6 +222,7 @@ def run_benchmark(
     full_size: bool = False,
     native_wait_s: float = NATIVE_WAIT_S,
     on_update: Callable[[BenchReport], None] | None = None,
+    quant: Quant = Quant(),
 ) -> BenchReport:
     """Check and (with CUDA) time ``impls`` on ``workloads``.
 
@@ -230,7 +232,8 @@ def run_benchmark(
     sequence. Without CUDA only qkrope is checked (the others are only worth running to be
     timed), at reduced sizes unless ``full_size``. ``on_update`` gets the report (``complete``
     False) once before the first workload and after every workload, so a caller can keep
-    partial results.
+    partial results. ``quant``: FP8 caches / query output (``bench/quant.py``), checked after
+    dequantisation against the oracle in the same mode.
     """
     lay = LAYOUTS[layout]
     timed = torch.cuda.is_available()
@@ -239,6 +242,9 @@ def run_benchmark(
     if impls is None:
         impls = default_impls(layout, timed)
     options = geometry.options()
+    if quant.active:  # only these have the quantised modes
+        skipped_quant = {n: "no quantised mode" for n in impls if n not in QUANT_IMPLS}
+        impls = [n for n in impls if n in QUANT_IMPLS]
     if timed:
         available, skipped = resolve_impls(list(impls), layout, options)
     else:  # peers are only worth running to be timed: not built, their own reason first
@@ -248,6 +254,8 @@ def run_benchmark(
                 skipped[name] = peer_unavailable(name, layout) or (
                     "checked and timed only on a CUDA GPU (without one, only qkrope's kernel is "
                     "checked)")
+    if quant.active:
+        skipped.update(skipped_quant)
     plan = check_plan(workloads, geometry, reduced=not timed and not full_size)
 
     bandwidth = flush = add_host = add_one = None
@@ -277,7 +285,8 @@ def run_benchmark(
         environment=environment(),
         settings=dict(iters=iters, warmup=warmup, host_calls=host_calls, graphs=graphs,
                       benchmark_inputs=benchmark_inputs, cache_capacity=cache_capacity,
-                      seed=seed, layout=layout, plan=plan.describe(geometry)),
+                      seed=seed, layout=layout, plan=plan.describe(geometry),
+                      quant=quant.describe()),
         checked_geometry=asdict(plan.geometry) if plan.reduced else None, complete=False)
     notify = on_update or (lambda r: None)
     notify(report)
@@ -287,7 +296,7 @@ def run_benchmark(
     progress.start(sum(work), len(work))
     gen = torch.Generator(device=device).manual_seed(seed)
     for idx, ((listed, w), amount) in enumerate(zip(plan.workloads, work), 1):
-        nbytes = bytes_moved(listed, geometry)
+        nbytes = quant.bytes_moved(listed, geometry)
         wr = WorkloadResult(idx, listed.seq_len, listed.cache_len, listed.batch, listed.atol,
                             listed.tokens, nbytes, nbytes / bandwidth * 1e6 if bandwidth else None)
         if w != listed:
@@ -296,9 +305,11 @@ def run_benchmark(
             progress.status(f"#{idx} {listed.name} inputs")
             L = cache_capacity or (None if layout == "paged" else w.cache_len + w.seq_len)
             try:
-                args = lay.make_inputs(w, g, device=device, cache_capacity=L, generator=gen,
-                                       benchmark_weights=benchmark_inputs)
-                ref = lay.reference(args, **options)
+                args = quant.prepare(lay.make_inputs(w, g, device=device, cache_capacity=L,
+                                                     generator=gen,
+                                                     benchmark_weights=benchmark_inputs))
+                ref_kw = quant.call_kwargs(args)
+                ref = quant.dequantize(lay.reference(args, **options, **ref_kw), ref_kw)
             except RuntimeError as e:
                 if not _allocation_failed(e):
                     raise
@@ -317,10 +328,12 @@ def run_benchmark(
         for name, fn in available.items():
             progress.status(f"#{idx} {listed.name} {name}")
             call_args = with_fresh_caches(args)
+            kw = quant.call_kwargs(call_args)
+            call = functools.partial(fn, **kw) if kw else fn
             try:
-                res = check_result(fn(*call_args), ref, w.atol)
+                res = check_result(quant.dequantize(call(*call_args), kw), ref, w.atol)
                 if timed:
-                    _time_into(res, fn, call_args, flush, iters, warmup, host_calls, graphs,
+                    _time_into(res, call, call_args, flush, iters, warmup, host_calls, graphs,
                                add_one)
             except Exception as e:  # one failing implementation must not end the run
                 res = ImplResult(error=f"{type(e).__name__}: {e}".splitlines()[0][:300])
