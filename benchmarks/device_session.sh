@@ -51,10 +51,10 @@ case "${1:-tests}" in
            --plot "$OUT/e2e.png" 2>&1 | tee "$OUT/e2e.md" ;;
   quant) # the quantised modes against bf16 outputs, one run each (~8 min in all)
     for layout in bhsd paged; do
-      for mode in bf16 fp8 fp8-pth fp8-pth-q8; do
+      for mode in bf16 fp8 fp8-pth-q8 int8-pth; do
         case $mode in bf16) f="";; fp8) f="--kv-dtype fp8";;
-          fp8-pth) f="--kv-dtype fp8 --kv-scales per-token-head";;
-          fp8-pth-q8) f="--kv-dtype fp8 --kv-scales per-token-head --q-out fp8";; esac
+          fp8-pth-q8) f="--kv-dtype fp8 --kv-scales per-token-head --q-out fp8";;
+          int8-pth) f="--kv-dtype int8 --kv-scales per-token-head";; esac
         # (markdown only: the device tool returns at most 8 files)
         python3 -m qkrope bench --impl qkrope --layout $layout $f --no-graph --host-calls 500 \
           > "$OUT/quant-$layout-$mode.md" 2>&1

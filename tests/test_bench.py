@@ -281,6 +281,8 @@ def test_paged_prefill_inputs_hold_every_batch_row():
      "FP8 caches, per-token-head scales, FP8 query output"),
     (["--layout", "paged", "--kv-dtype", "fp8", "--model", "qwen3-0.6b"],
      "FP8 caches, per-tensor scales, bf16 query output"),
+    (["--layout", "paged", "--kv-dtype", "int8", "--kv-scales", "per-token-head"],
+     "INT8 caches, per-token-head scales, bf16 query output"),
 ])
 def test_cli_quantised_modes_on_cpu(capsys, flags, says):
     rc = main(["bench", "--shape", "5,3,2", *flags])
@@ -318,4 +320,6 @@ def test_quantised_bytes_model():
 
 def test_cli_refuses_per_token_head_scales_without_fp8_caches(capsys):
     assert main(["bench", "--kv-scales", "per-token-head"]) == 2
-    assert "--kv-scales per-token-head needs --kv-dtype fp8" in capsys.readouterr().err
+    assert "--kv-scales per-token-head needs --kv-dtype fp8 or int8" in capsys.readouterr().err
+    assert main(["bench", "--kv-dtype", "int8"]) == 2
+    assert "--kv-dtype int8 needs --kv-scales per-token-head" in capsys.readouterr().err

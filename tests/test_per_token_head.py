@@ -16,43 +16,46 @@ FP8 = torch.float8_e4m3fn
 POISON = -7.0  # scale-cache entries no call should touch
 
 
-def vllm_cache(nb, Hkv, bs, D, generator):
-    """A per-layer vLLM fp8_per_token_head cache of random bytes (its rows and scales are
-    whatever was there) and the four views the op writes through."""
+def vllm_cache(nb, Hkv, bs, D, generator, dtype=FP8):
+    """A per-layer vLLM fp8/int8_per_token_head cache of random bytes (its rows and scales
+    are whatever was there) and the four views the op writes through."""
     raw = torch.randint(0, 256, (nb, Hkv, bs, 2 * (D + 4)), dtype=torch.uint8,
                         generator=generator).to(DEVICE)
-    views = qkrope.vllm_per_token_head_views(raw, D)
+    views = qkrope.vllm_per_token_head_views(raw, D, dtype)
     views[2].fill_(POISON)
     views[3].fill_(POISON)
     return raw, views
 
 
-def vllm_read(raw, slot, head, D):
-    """Decode one (slot, head) cell as vLLM's Triton attention reads it: the FP8 bytes as
+def vllm_read(raw, slot, head, D, dtype=FP8):
+    """Decode one (slot, head) cell as vLLM's Triton attention reads it: the code bytes as
     float times the float32 scale stored after them, for K and for V."""
     bs = raw.shape[2]
     cell = raw[slot // bs, head, slot % bs]
-    k = cell[:D].view(FP8).float() * cell[D:D + 4].view(torch.float32)
-    v = cell[D + 4:2 * D + 4].view(FP8).float() * cell[2 * D + 4:].view(torch.float32)
+    k = cell[:D].view(dtype).float() * cell[D:D + 4].view(torch.float32)
+    v = cell[D + 4:2 * D + 4].view(dtype).float() * cell[2 * D + 4:].view(torch.float32)
     return k, v
 
 
-def fp8_error_bound(x, scale):
-    """|decoded - x| an e4m3 rounding allows: half an ulp of 3 mantissa bits, or half the
-    subnormal step (2**-9 of the scale) near zero."""
+def error_bound(x, scale, dtype=FP8):
+    """|decoded - x| a rounding allows: e4m3, half an ulp of 3 mantissa bits or half the
+    subnormal step (2**-9 of the scale) near zero; int8, half a step of the scale."""
+    if dtype == torch.int8:
+        return scale * 0.5001 + x.abs() * 2.0**-20
     return torch.maximum(x.abs() * 2.0**-4, scale * 2.0**-10) * 1.0001
 
 
+@pytest.mark.parametrize("dtype", [FP8, torch.int8], ids=["fp8", "int8"])
 @pytest.mark.parametrize("layout", ["vllm", "NHD", "HND"])
-def test_paged_rows_and_scales_as_vllm_reads_them(layout):
+def test_paged_rows_and_scales_as_vllm_reads_them(layout, dtype):
     c = PCase(T=11, Hq=4, Hkv=2, D=64, num_blocks=4, block_size=8, layout="NHD" if layout ==
               "vllm" else layout, seed=5)
     args, kwargs = make(c)
     g = torch.Generator().manual_seed(1)
     if layout == "vllm":
-        raw, (kc, vc, ksc, vsc) = vllm_cache(c.num_blocks, c.Hkv, c.block_size, c.D, g)
+        raw, (kc, vc, ksc, vsc) = vllm_cache(c.num_blocks, c.Hkv, c.block_size, c.D, g, dtype)
     else:
-        kc, vc = args[4].to(FP8), args[5].to(FP8)
+        kc, vc = args[4].to(dtype), args[5].to(dtype)
         ksc = torch.full(kc.shape[:-1], POISON, device=DEVICE)
         vsc = torch.full(vc.shape[:-1], POISON, device=DEVICE)
     before = [t.clone() for t in (kc.view(torch.uint8), vc.view(torch.uint8), ksc, vsc)]
@@ -74,18 +77,18 @@ def test_paged_rows_and_scales_as_vllm_reads_them(layout):
             continue
         written[slot] = True
         blk, off = slot // bs, slot % bs
-        codes, scales = quantize_token_head(k_rot[t], FP8)  # [Hkv, D], [Hkv]
+        codes, scales = quantize_token_head(k_rot[t], dtype)  # [Hkv, D], [Hkv]
         got = kc[blk, off] if c.layout == "NHD" else kc[blk, :, off]
         got_s = ksc[blk, off] if c.layout == "NHD" else ksc[blk, :, off]
         assert torch.equal(got.view(torch.uint8), codes.view(torch.uint8))
         assert torch.equal(got_s, scales)
         if layout == "vllm":
             for h in range(c.Hkv):
-                k, v = vllm_read(raw, slot, h, c.D)
+                k, v = vllm_read(raw, slot, h, c.D, dtype)
                 assert ((k - k_rot[t, h].float()).abs()
-                        <= fp8_error_bound(k_rot[t, h].float(), scales[h])).all()
+                        <= error_bound(k_rot[t, h].float(), scales[h], dtype)).all()
                 vt = args[2][t, h].float()
-                assert ((v - vt).abs() <= fp8_error_bound(vt, vsc[blk, off, h])).all()
+                assert ((v - vt).abs() <= error_bound(vt, vsc[blk, off, h], dtype)).all()
     # Every slot no token names keeps its rows and scales, bit for bit.
     def rows_of(t, slot_mask):
         t = t.flatten(0, 1) if c.layout == "NHD" else t.transpose(1, 2).flatten(0, 1)
@@ -159,7 +162,7 @@ def test_scale_caches_under_torch_compile_equal_eager():
 
 @pytest.mark.parametrize("change, error, words", [
     ("bf16 caches", ValueError,
-     "k_scale_cache holds the per-token-head scales of a float8_e4m3fn key_cache"),
+     "k_scale_cache holds the per-token-head scales of a float8_e4m3fn or int8 key_cache"),
     (lambda kc, vc, ksc, vsc: (kc, vc, ksc[:, :, :1], vsc), ValueError,
      "k_scale_cache must have shape"),
     (lambda kc, vc, ksc, vsc: (kc, vc, ksc.double(), vsc), TypeError,
@@ -196,3 +199,35 @@ def test_static_and_dynamic_scales_are_exclusive_per_cache():
 def test_vllm_views_refuse_a_cache_of_another_shape():
     with pytest.raises(ValueError, match="2 \\(head_size \\+ 4\\)"):
         qkrope.vllm_per_token_head_views(torch.zeros(2, 2, 4, 128, dtype=torch.uint8), 64)
+
+
+def test_int8_zero_nan_inf_and_huge_rows():
+    args, kwargs = make(PCase(T=4, Hq=2, Hkv=2, D=64, seed=11))
+    v = args[2].clone()
+    v[0, 0] = 0                        # all zeros: scale 1e-6, codes 0
+    v[0, 1, 3] = float("nan")          # int8 has no NaN: code 0 there, the row's scale NaN
+    v[1, 0, 5] = float("inf")          # scale inf: every element reads back NaN
+    v[1, 1] = -3e4                     # huge: codes -127 (half away from zero, saturated)
+    slots = torch.tensor([0, 1, 2, 3], device=DEVICE, dtype=args[6].dtype)
+    kc, vc = args[4].to(torch.int8), args[5].to(torch.int8)
+    ksc = torch.full(kc.shape[:-1], POISON, device=DEVICE)
+    vsc = torch.full(vc.shape[:-1], POISON, device=DEVICE)
+    qkrope.fused_qk_norm_rope_paged(*args[:2], v, args[3], kc, vc, slots, *args[7:], **kwargs,
+                                    k_scale_cache=ksc, v_scale_cache=vsc)
+    codes, scales = quantize_token_head(v, torch.int8)
+    assert torch.equal(vc[0, :4], codes)
+    assert torch.equal(vsc[0, :4].nan_to_num(-1), scales.nan_to_num(-1))
+    assert vsc[0, 0, 0] == torch.tensor(1e-6) and (vc[0, 0, 0] == 0).all()
+    assert vsc[0, 0, 1].isnan() and vc[0, 0, 1, 3] == 0
+    assert vsc[0, 1, 0] == float("inf")
+    assert (vc[0, 1, 1] == -127).all()
+    decoded = vc[0, :4].float() * vsc[0, :4, :, None]
+    assert decoded[0, 1].isnan().all() and decoded[1, 0].isnan().all()
+
+
+def test_int8_cache_needs_scale_caches():
+    args, kwargs = make(PCase(T=3, seed=12))
+    kc, vc = args[4].to(torch.int8), args[5].to(torch.int8)
+    with pytest.raises(ValueError, match="an int8 key_cache takes per-token-head scales: pass "
+                                         "k_scale_cache"):
+        qkrope.fused_qk_norm_rope_paged(*args[:4], kc, vc, *args[6:], **kwargs)

@@ -1,5 +1,6 @@
-"""Quantised modes of ``qkrope bench``: FP8 caches with per-tensor or per-token-head scales and
-an FP8 query output (``--kv-dtype``, ``--kv-scales``, ``--q-out``).
+"""Quantised modes of ``qkrope bench``: FP8 caches with per-tensor or per-token-head scales,
+INT8 caches with per-token-head scales, an FP8 query output (``--kv-dtype``, ``--kv-scales``,
+``--q-out``).
 
 Each call gets fresh output buffers (the FP8 query output, the per-token-head scale caches);
 the correctness rule (suite.check_outputs) is applied to the dequantised outputs of the
@@ -27,7 +28,7 @@ QUANT_IMPLS = ("qkrope", "eager", "torch.compile")
 
 @dataclasses.dataclass(frozen=True)
 class Quant:
-    kv_dtype: str = "bf16"         # "bf16" (the activations' dtype) or "fp8"
+    kv_dtype: str = "bf16"         # "bf16" (the activations' dtype), "fp8" or "int8"
     kv_scales: str = "tensor"      # "tensor" (k_scale / v_scale) or "per-token-head"
     q_out: str = "bf16"            # "bf16" (the activations' dtype) or "fp8"
 
@@ -35,36 +36,41 @@ class Quant:
     def from_args(cls, args) -> Quant:
         """From ``qkrope bench``'s arguments; ValueError for a combination that means nothing."""
         q = cls(args.kv_dtype, args.kv_scales, args.q_out)
-        if q.kv_scales == "per-token-head" and q.kv_dtype != "fp8":
-            raise ValueError("--kv-scales per-token-head needs --kv-dtype fp8")
+        if q.kv_scales == "per-token-head" and q.kv_dtype == "bf16":
+            raise ValueError("--kv-scales per-token-head needs --kv-dtype fp8 or int8")
+        if q.kv_dtype == "int8" and q.kv_scales != "per-token-head":
+            raise ValueError("--kv-dtype int8 needs --kv-scales per-token-head (int8 caches "
+                             "take per-token-head scales only)")
         return q
 
     @property
     def active(self) -> bool:
-        return self.kv_dtype == "fp8" or self.q_out == "fp8"
+        return self.kv_dtype != "bf16" or self.q_out == "fp8"
 
     def describe(self) -> str:
         if not self.active:
             return "bf16 caches and outputs"
-        kv = (f"FP8 caches, {'per-token-head' if self.per_token_head else 'per-tensor'} scales"
-              if self.kv_dtype == "fp8" else "bf16 caches")
+        kv = (f"{self.kv_dtype.upper()} caches, "
+              f"{'per-token-head' if self.per_token_head else 'per-tensor'} scales"
+              if self.kv_dtype != "bf16" else "bf16 caches")
         return f"{kv}, {'FP8' if self.q_out == 'fp8' else 'bf16'} query output"
 
     @property
     def per_token_head(self) -> bool:
-        return self.kv_dtype == "fp8" and self.kv_scales == "per-token-head"
+        return self.kv_dtype != "bf16" and self.kv_scales == "per-token-head"
 
     def prepare(self, args: tuple) -> tuple:
-        """The op's eleven arguments with FP8 caches where asked (their bytes: the bf16 rows
-        rounded to e4m3)."""
-        if self.kv_dtype != "fp8":
+        """The op's eleven arguments with FP8 / INT8 caches where asked (their bytes: the bf16
+        rows cast)."""
+        if self.kv_dtype == "bf16":
             return args
-        return (*args[:4], args[4].to(FP8), args[5].to(FP8), *args[6:])
+        dtype = FP8 if self.kv_dtype == "fp8" else torch.int8
+        return (*args[:4], args[4].to(dtype), args[5].to(dtype), *args[6:])
 
     def call_kwargs(self, args: tuple) -> dict:
         """Fresh per-call keywords: scales, zeroed scale caches, an FP8 query output buffer."""
         kw = {}
-        if self.kv_dtype == "fp8":
+        if self.kv_dtype != "bf16":
             if self.per_token_head:
                 f32 = torch.float32
                 kw.update(k_scale_cache=args[4].new_zeros(args[4].shape[:-1], dtype=f32),
@@ -81,7 +87,7 @@ class Quant:
         q, k, kc, vc = outputs
         if self.q_out == "fp8":
             q = q.float() * SCALE
-        if self.kv_dtype == "fp8":
+        if self.kv_dtype != "bf16":
             if self.per_token_head:
                 kc = kc.float() * kw["k_scale_cache"][..., None]
                 vc = vc.float() * kw["v_scale_cache"][..., None]
@@ -92,7 +98,7 @@ class Quant:
     def bytes_moved(self, workload: Workload, geometry: ModelGeometry) -> int:
         """The op's DRAM traffic in this mode (:func:`qkrope.suite.bytes_moved`)."""
         return bytes_moved(workload, geometry, q_out_bytes=1 if self.q_out == "fp8" else None,
-                           cache_bytes=1 if self.kv_dtype == "fp8" else None,
+                           cache_bytes=1 if self.kv_dtype != "bf16" else None,
                            row_scale_bytes=4 if self.per_token_head else 0)
 
 
@@ -102,10 +108,11 @@ def add_arguments(parser) -> None:
         "quantised modes", f"FP8 caches and query output (qkrope, and the oracles as eager and "
         f"torch.compile; per-tensor scales 1/{1 / SCALE:g}); correctness on the dequantised "
         "outputs against the oracle in the same mode")
-    g.add_argument("--kv-dtype", choices=("bf16", "fp8"), default="bf16",
-                   help="cache dtype: bf16 (the activations', default) or float8_e4m3fn")
+    g.add_argument("--kv-dtype", choices=("bf16", "fp8", "int8"), default="bf16",
+                   help="cache dtype: bf16 (the activations', default), float8_e4m3fn, or int8 "
+                        "(with --kv-scales per-token-head)")
     g.add_argument("--kv-scales", choices=("tensor", "per-token-head"), default="tensor",
-                   help="FP8 cache scales: one per tensor (k_scale/v_scale, default) or one per "
-                        "written row and head, computed by the op (vLLM's fp8_per_token_head)")
+                   help="cache scales: one per tensor (k_scale/v_scale, default) or one per "
+                        "written row and head, computed by the op (vLLM's fp8/int8_per_token_head)")
     g.add_argument("--q-out", choices=("bf16", "fp8"), default="bf16",
                    help="query output dtype: bf16 (default) or float8_e4m3fn with q_scale")

@@ -120,9 +120,12 @@ def fused_rope_with_qk_norm_and_kv_cache_update(
             NHD [num_blocks, block_size, Hkv], HND [num_blocks, Hkv, block_size]), any strides
             (e.g. the float32 views between the rows of vLLM's packed cache:
             :func:`qkrope.vllm_per_token_head_views`). Each written row is stored as
-            ``saturate(x * (1 / s))`` with ``s = max(amax(|x|) / 448, 1e-6)`` over its D
+            ``saturate(x * (1 / s))`` with ``s = max(amax(|x|) / Q, 1e-6)`` over its D
             elements (NaN not counted), and ``s`` is written to the row's scale; read back as
-            stored * s. Skipped rows keep their data and scale.
+            stored * s. Q = 448 for a float8_e4m3fn cache; an int8 cache (vLLM's
+            ``int8_per_token_head``) takes Q = 127, rounds half away from zero and gives a row
+            holding a NaN the scale NaN (it reads back as NaN). Skipped rows keep their data
+            and scale.
 
     Returns:
         ``(query_rotated, key_rotated, key_cache_out, value_cache_out)``.
@@ -347,18 +350,21 @@ def _split(qkv: torch.Tensor, num_q_heads, num_kv_heads, d: int, d_name: str):
     return q.view(T, hq, d), k.view(T, hkv, d), v.view(T, hkv, d)
 
 
-def vllm_per_token_head_views(kv_cache: torch.Tensor, head_size: int):
-    """Views of one layer of vLLM's ``fp8_per_token_head`` KV cache for
-    :func:`fused_qk_norm_rope_paged` (``cache_layout="NHD"``): ``(key_cache, value_cache,
-    k_scale_cache, v_scale_cache)``.
+def vllm_per_token_head_views(kv_cache: torch.Tensor, head_size: int,
+                              dtype: torch.dtype = torch.float8_e4m3fn):
+    """Views of one layer of vLLM's ``fp8_per_token_head`` (``dtype=torch.int8``:
+    ``int8_per_token_head``) KV cache for :func:`fused_qk_norm_rope_paged`
+    (``cache_layout="NHD"``): ``(key_cache, value_cache, k_scale_cache, v_scale_cache)``.
 
     ``kv_cache``: vLLM's per-layer tensor, logical shape [num_blocks, Hkv, block_size,
-    2 (D + 4)] of uint8 (or float8_e4m3fn), any physical order with the last dim contiguous;
-    each (slot, head) cell holds ``[K row: D fp8 | K scale: fp32 | V row: D fp8 | V scale:
-    fp32]`` (vLLM 0.34's layout, read by its Triton attention as ``float(stored) * scale``).
-    Returns the FP8 rows [num_blocks, block_size, Hkv, D] and the float32 scales
+    2 (D + 4)] of a 1-byte dtype, any physical order with the last dim contiguous; each (slot,
+    head) cell holds ``[K row: D codes | K scale: fp32 | V row: D codes | V scale: fp32]``
+    (vLLM 0.34's layout, read by its Triton attention as ``float(stored) * scale``). Returns
+    the rows [num_blocks, block_size, Hkv, D] as ``dtype`` and the float32 scales
     [num_blocks, block_size, Hkv], views into ``kv_cache`` (no copy)."""
-    tensor_arg("kv_cache", kv_cache, 4, (torch.uint8, torch.float8_e4m3fn))
+    tensor_arg("kv_cache", kv_cache, 4, (torch.uint8, torch.int8, torch.float8_e4m3fn))
+    if dtype not in (torch.float8_e4m3fn, torch.int8):
+        raise TypeError(f"dtype must be torch.float8_e4m3fn or torch.int8, got {dtype}")
     d = head_count("head_size", head_size)
     if d % 4 or kv_cache.shape[-1] != 2 * (d + 4):
         raise ValueError(f"kv_cache must have shape [num_blocks, Hkv, block_size, 2 (head_size "
@@ -371,8 +377,7 @@ def vllm_per_token_head_views(kv_cache: torch.Tensor, head_size: int):
         raise ValueError(f"kv_cache's cells must be contiguous and 4-byte aligned (as vLLM "
                          f"allocates them): strides {list(kv_cache.stride())}, offset "
                          f"{kv_cache.storage_offset()}") from e
-    fp8 = torch.float8_e4m3fn
-    return (cell[..., :d].view(fp8), cell[..., d + 4:2 * d + 4].view(fp8),
+    return (cell[..., :d].view(dtype), cell[..., d + 4:2 * d + 4].view(dtype),
             words[..., d // 4], words[..., (2 * d + 4) // 4])
 
 

@@ -29,6 +29,9 @@ __all__ = ["HEAD_DIMS", "ACTIVATION_DTYPES", "FP8_CACHE_DTYPES", "INDEX_DTYPES",
 HEAD_DIMS = (64, 128, 256, 512)
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16)
 FP8_CACHE_DTYPES = (torch.float8_e4m3fn,)
+#: Cache dtypes of the per-token-head mode (k_scale_cache / v_scale_cache): vLLM's
+#: fp8_per_token_head and int8_per_token_head.
+TOKEN_HEAD_DTYPES = (torch.float8_e4m3fn, torch.int8)
 INDEX_DTYPES = (torch.int32, torch.int64)
 NORM_ROUNDINGS = ("weight_fp32", "hf")
 ROTARY_STYLES = ("neox", "gptj")
@@ -202,12 +205,15 @@ def scale_tensor(name: str, scale, users: dict, heads: int, heads_name: str):
 
 def scale_cache(name: str, cache_scales, cache_name: str, cache: torch.Tensor):
     """A per-token-head scale cache (written by the op: each written row's float32 scale):
-    the shape of ``cache`` without its head_dim, ``cache`` in float8_e4m3fn; or None."""
+    the shape of ``cache`` without its head_dim, ``cache`` in float8_e4m3fn or int8; or None
+    (an int8 ``cache`` needs one: it has no other scale)."""
     if cache_scales is None:
+        if cache.dtype == torch.int8:
+            raise ValueError(f"an int8 {cache_name} takes per-token-head scales: pass {name}")
         return None
     tensor_arg(name, cache_scales, cache.dim() - 1, (torch.float32,))
-    if cache.dtype not in FP8_CACHE_DTYPES:
-        raise ValueError(f"{name} holds the per-token-head scales of a float8_e4m3fn "
+    if cache.dtype not in TOKEN_HEAD_DTYPES:
+        raise ValueError(f"{name} holds the per-token-head scales of a float8_e4m3fn or int8 "
                          f"{cache_name}, got a {dtype_name(cache.dtype)} {cache_name}")
     _shape(name, cache_scales, tuple(cache.shape[:-1]), f"{cache_name}'s shape without D")
     if cache_scales.device != cache.device:
@@ -280,7 +286,7 @@ def _positions(name: str, positions, tokens: tuple[int, ...], opts: Options, wha
 
 
 def _cache_dtypes(act: torch.dtype) -> tuple:
-    return (act, *FP8_CACHE_DTYPES)
+    return (act, *FP8_CACHE_DTYPES, torch.int8)
 
 
 def check_bhsd(query, key, value, position_ids, key_cache, value_cache, cache_position,

@@ -40,6 +40,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from .quantize import _store_codes, _store_fp8, _token_head_scale
+
 
 @triton.jit
 def _add(a, b):
@@ -286,38 +288,6 @@ def _norm_rope_tile(x_lo, x_hi, w_lo, w_hi, x_ptr, row_off, stride_d, mask, w_pt
 
 
 @triton.jit
-def _round_e4m3(v):
-    """Round fp32 to the float8_e4m3fn grid (nearest even) in fp32 arithmetic, for the
-    interpreter, whose fp32->fp8 cast truncates: 3 mantissa bits for normals, steps of 2**-9
-    below 2**-6 (the adds round at that step; fp fusion is off). The sign is kept, also where
-    a value rounds to zero (-0, as the GPU's conversion and torch's cast store it)."""
-    bits = v.to(tl.uint32, bitcast=True)
-    sign = bits & 0x80000000
-    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000
-    normal = bits.to(tl.float32, bitcast=True)
-    # The magnitude rounded, then the sign put back: (v + 24576) - 24576 would give +0 for
-    # every negative v that rounds to zero.
-    magnitude = (tl.abs(v) + 24576.0) - 24576.0
-    subnormal = (magnitude.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-    return tl.where(tl.abs(v) < 0.015625, subnormal, normal)
-
-
-@triton.jit
-def _store_fp8(out_ptr, off, v, mask, INTERPRETER: tl.constexpr):
-    """Store fp32 ``v`` as e4m3: saturated to +-448, nearest even, NaN stored as NaN (a clamp
-    alone would turn an upstream NaN into in-range data)."""
-    clamped = tl.minimum(tl.maximum(v, -448.0), 448.0)
-    FP8 = out_ptr.dtype.element_ty
-    if INTERPRETER:
-        # The interpreter's cast turns NaN into 384: set NaN's bits (0x7F) directly.
-        bits = _round_e4m3(clamped).to(FP8).to(tl.uint8, bitcast=True)
-        stored = tl.where(v != v, 0x7F, bits).to(tl.uint8).to(FP8, bitcast=True)
-    else:
-        stored = tl.where(v != v, v, clamped).to(FP8)
-    tl.store(out_ptr + off, stored, mask=mask)
-
-
-@triton.jit
 def _store_scaled(out_ptr, off, vals, mask, scale_ptr, h, H, stride_scale,
                   SCALED: tl.constexpr, INTERPRETER: tl.constexpr, WIDE: tl.constexpr):
     """Store rows (a cache's, or a quantised output's); FP8 gets saturate(x / scale) (vLLM's
@@ -331,23 +301,6 @@ def _store_scaled(out_ptr, off, vals, mask, scale_ptr, h, H, stride_scale,
                    mask, INTERPRETER)
     else:
         tl.store(out_ptr + off, vals, mask=mask)
-
-
-# Triton's own max combine where it has one (the interpreter reduces it with numpy).
-_max_combine = getattr(tl.standard, "_elementwise_max", tl.maximum)
-
-
-@triton.jit
-def _row_amax(x):
-    """max |x| over a row (axis 2) of an fp32 tile, NaN counted as 0 -> [.., .., 1]."""
-    return tl.reduce(tl.where(x != x, 0.0, tl.abs(x)), 2, _max_combine)[:, :, None]
-
-
-@triton.jit
-def _token_head_scale(amax):
-    """vLLM's per-token-head FP8 scale of a row: max(amax / 448, 1e-6), in IEEE fp32
-    (docs/design.md, "Per-token-head scales")."""
-    return tl.maximum(tl.math.div_rn(amax, 448.0), 1e-6)
 
 
 @triton.jit
@@ -465,13 +418,12 @@ def qknorm_rope_kernel(
         kc_row += b * stride_kc_b + hk_i * stride_kc_h
         vc_row += b * stride_vc_b + hk_i * stride_vc_h
         if K_DYN:  # each row's own scale, stored too (docs/design.md, "Per-token-head scales")
-            k_sc = _token_head_scale(tl.maximum(_row_amax(k_lo.to(tl.float32)),
-                                                _row_amax(k_hi.to(tl.float32))))
-            k_r = tl.math.div_rn(1.0, k_sc)
-            _store_fp8(k_cache_ptr, kc_row + d_lo * stride_kc_d, k_lo.to(tl.float32) * k_r,
-                       row_mask, INTERPRETER)
-            _store_fp8(k_cache_ptr, kc_row + d_hi * stride_kc_d, k_hi.to(tl.float32) * k_r,
-                       row_mask, INTERPRETER)
+            k32_lo, k32_hi = k_lo.to(tl.float32), k_hi.to(tl.float32)
+            k_sc, k_r = _token_head_scale(k32_lo, k32_hi, k_cache_ptr)
+            _store_codes(k_cache_ptr, kc_row + d_lo * stride_kc_d, k32_lo * k_r, row_mask,
+                         INTERPRETER)
+            _store_codes(k_cache_ptr, kc_row + d_hi * stride_kc_d, k32_hi * k_r, row_mask,
+                         INTERPRETER)
             tl.store(k_scale_cache_ptr + _scale_row(row3, b, hk_i, block_size, stride_ksc_b,
                                                     stride_ksc_blk, stride_ksc_row,
                                                     stride_ksc_h, PAGED),
@@ -483,9 +435,9 @@ def qknorm_rope_kernel(
                           hk, Hkv, stride_k_scale, K_SCALED, INTERPRETER, WIDE)
         if V_DYN:
             v32 = v.to(tl.float32)
-            v_sc = _token_head_scale(_row_amax(v32))
-            _store_fp8(v_cache_ptr, vc_row + d_full * stride_vc_d,
-                       v32 * tl.math.div_rn(1.0, v_sc), row_mask, INTERPRETER)
+            v_sc, v_r = _token_head_scale(v32, v32, v_cache_ptr)
+            _store_codes(v_cache_ptr, vc_row + d_full * stride_vc_d, v32 * v_r, row_mask,
+                         INTERPRETER)
             tl.store(v_scale_cache_ptr + _scale_row(row3, b, hk_i, block_size, stride_vsc_b,
                                                     stride_vsc_blk, stride_vsc_row,
                                                     stride_vsc_h, PAGED),

@@ -21,9 +21,10 @@ happens below):
   zero kept); NaN, from the data or the scale, is stored as the one NaN code 0x7F, as
   the GPU's conversion does (torch's cast keeps a NaN's sign: 0xFF for a negative NaN, which
   ``0 / 0`` is on x86).
-- R5 per-token-head FP8 caches (``k_scale_cache`` / ``v_scale_cache``): per written row,
-  ``s = max(amax(|x|) / 448, 1e-6)`` over its D elements (NaN not counted), stored
-  ``saturate(x * (1 / s))`` as R4, and ``s`` into the row's scale.
+- R5 per-token-head FP8 / INT8 caches (``k_scale_cache`` / ``v_scale_cache``): per written
+  row, ``s = max(amax(|x|) / Q, 1e-6)`` over its D elements (NaN not counted; Q 448 or 127),
+  stored ``saturate(x * (1 / s))`` (FP8 as R4; INT8 rounded half away from zero), and ``s``
+  into the row's scale (:func:`quantize_token_head`).
 
 By default both return fresh caches (as the public benchmark's reference does) and leave their
 arguments untouched; ``inplace=True`` writes the given caches.
@@ -110,12 +111,21 @@ def quantize(rows: torch.Tensor, cache_dtype: torch.dtype, scale, head_dim_axis:
 
 
 def quantize_token_head(rows: torch.Tensor, cache_dtype: torch.dtype):
-    """R5, per-token-head dynamic FP8 (vLLM's ``fp8_per_token_head``): each row of the last
-    dim gets ``s = max(amax(|x|) / 448, 1e-6)`` (NaN not counted) and is stored as
-    ``saturate(x * (1 / s))``, every operation one IEEE fp32 rounding. Returns ``(codes,
-    scales)``, the scales shaped as ``rows`` without its last dim."""
+    """R5, per-token-head dynamic scales (vLLM's ``fp8_per_token_head`` /
+    ``int8_per_token_head``): each row of the last dim gets ``s = max(amax(|x|) / Q, 1e-6)``
+    (NaN not counted; Q = 448 for e4m3, 127 for int8) and is stored as ``y = x * (1 / s)``:
+    e4m3 as R4, int8 rounded half away from zero (``y +- 0.5``, truncated) and saturated to
+    [-128, 127], an int8 NaN as 0 and its row's scale NaN (the row reads back as NaN). Every
+    operation is one IEEE fp32 rounding. Returns ``(codes, scales)``, the scales shaped as
+    ``rows`` without its last dim."""
     x = rows.float()
     amax = torch.where(x.isnan(), 0.0, x.abs()).amax(-1)
+    if cache_dtype == torch.int8:
+        scales = torch.clamp_min(amax / 127.0, 1e-6)
+        y = x * (1.0 / scales)[..., None]
+        z = torch.where(y >= 0, y + 0.5, y - 0.5).clamp(-128, 127)
+        codes = torch.where(y.isnan(), 0.0, z).trunc().to(torch.int8)
+        return codes, torch.where(x.isnan().any(-1), float("nan"), scales)
     scales = torch.clamp_min(amax / _FP8_MAX[cache_dtype], 1e-6)
     return _e4m3(x * (1.0 / scales)[..., None], cache_dtype), scales
 

@@ -1,0 +1,83 @@
+"""Triton helpers of the kernel's quantised stores: FP8 (e4m3) and INT8 codes, and the
+per-token-head scale of a written row (docs/design.md, "FP8 stores", "Per-token-head
+scales"). Every division is IEEE (``div_rn``) and fp fusion is off at launch, so each value
+is the one the oracle (``reference.quantize``, ``reference.quantize_token_head``) computes.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Triton's own max combine where it has one (the interpreter reduces it with numpy).
+_max_combine = getattr(tl.standard, "_elementwise_max", tl.maximum)
+
+
+@triton.jit
+def _round_e4m3(v):
+    """Round fp32 to the float8_e4m3fn grid (nearest even) in fp32 arithmetic, for the
+    interpreter, whose fp32->fp8 cast truncates: 3 mantissa bits for normals, steps of 2**-9
+    below 2**-6 (the adds round at that step; fp fusion is off). The sign is kept, also where
+    a value rounds to zero (-0, as the GPU's conversion and torch's cast store it)."""
+    bits = v.to(tl.uint32, bitcast=True)
+    sign = bits & 0x80000000
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000
+    normal = bits.to(tl.float32, bitcast=True)
+    # The magnitude rounded, then the sign put back: (v + 24576) - 24576 would give +0 for
+    # every negative v that rounds to zero.
+    magnitude = (tl.abs(v) + 24576.0) - 24576.0
+    subnormal = (magnitude.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    return tl.where(tl.abs(v) < 0.015625, subnormal, normal)
+
+
+@triton.jit
+def _store_fp8(out_ptr, off, v, mask, INTERPRETER: tl.constexpr):
+    """Store fp32 ``v`` as e4m3: saturated to +-448, nearest even, NaN stored as NaN (a clamp
+    alone would turn an upstream NaN into in-range data)."""
+    clamped = tl.minimum(tl.maximum(v, -448.0), 448.0)
+    FP8 = out_ptr.dtype.element_ty
+    if INTERPRETER:
+        # The interpreter's cast turns NaN into 384: set NaN's bits (0x7F) directly.
+        bits = _round_e4m3(clamped).to(FP8).to(tl.uint8, bitcast=True)
+        stored = tl.where(v != v, 0x7F, bits).to(tl.uint8).to(FP8, bitcast=True)
+    else:
+        stored = tl.where(v != v, v, clamped).to(FP8)
+    tl.store(out_ptr + off, stored, mask=mask)
+
+
+@triton.jit
+def _store_codes(out_ptr, off, y, mask, INTERPRETER: tl.constexpr):
+    """Store fp32 ``y`` (a row already divided by its scale) as the codes of ``out_ptr``'s
+    dtype: e4m3 (:func:`_store_fp8`), or int8 rounded half away from zero and saturated to
+    [-128, 127] (vLLM's ``int8_per_token_head``; a NaN stored as 0: its row's scale is NaN)."""
+    if out_ptr.dtype.element_ty == tl.int8:
+        z = tl.minimum(tl.maximum(tl.where(y >= 0, y + 0.5, y - 0.5), -128.0), 127.0)
+        z = tl.where(y != y, 0.0, z)  # before the truncating conversion, which NaN would break
+        tl.store(out_ptr + off, z.to(tl.int32).to(tl.int8), mask=mask)
+    else:
+        _store_fp8(out_ptr, off, y, mask, INTERPRETER)
+
+
+@triton.jit
+def _row_max(x):
+    """max over a row (axis 2) of an fp32 tile -> [.., .., 1]."""
+    return tl.reduce(x, 2, _max_combine)[:, :, None]
+
+
+@triton.jit
+def _token_head_scale(x_lo, x_hi, out_ptr):
+    """A written row's scale and its reciprocal, from its fp32 halves (a V row passes itself
+    twice): ``s = max(amax(|x|) / Q, 1e-6)``, NaN not counted, Q = 448 for e4m3, 127 for int8,
+    as vLLM's per-token-head writer; an int8 row holding a NaN gets scale NaN (int8 has no NaN
+    code: the row reads back as NaN, never as in-range data)."""
+    amax = tl.maximum(_row_max(tl.where(x_lo != x_lo, 0.0, tl.abs(x_lo))),
+                      _row_max(tl.where(x_hi != x_hi, 0.0, tl.abs(x_hi))))
+    if out_ptr.dtype.element_ty == tl.int8:
+        s = tl.maximum(tl.math.div_rn(amax, 127.0), 1e-6)
+        nan = tl.maximum(_row_max(tl.where(x_lo != x_lo, 1.0, 0.0)),
+                         _row_max(tl.where(x_hi != x_hi, 1.0, 0.0)))
+        stored = tl.where(nan > 0, float("nan"), s)
+    else:
+        s = tl.maximum(tl.math.div_rn(amax, 448.0), 1e-6)
+        stored = s
+    return stored, tl.math.div_rn(1.0, s)
