@@ -2,7 +2,8 @@
 
 ``api.py`` (the public functions) -> ``checks.py`` (argument checks, canonical options) ->
 ``registration.py`` (the ``torch.ops.qkrope.qknorm_rope`` custom op) -> ``launcher.py``
-(layout adapters, tile picker, launch) -> ``kernel.py`` (the one Triton kernel);
+(layout adapters, tile picker, launch) -> ``kernel.py`` (the one Triton kernel; its quantised
+stores in ``quantize.py``);
 ``validation.py`` (``validate=True``'s value checks); ``reference.py`` (the oracle, never
 imported by production code).
 """
