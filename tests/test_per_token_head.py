@@ -111,7 +111,7 @@ def test_bhsd_entry_point_with_scale_caches():
     assert torch.equal(vc.view(torch.uint8), r[1].view(torch.uint8)) and torch.equal(vsc, r[3])
     rows = args[6].long()
     keep = (rows >= 0) & (rows < kc.shape[2])
-    codes, scales = quantize_token_head(k_rot[:, :, keep.cpu()], FP8)
+    codes, scales = quantize_token_head(k_rot[:, :, keep], FP8)
     assert torch.equal(kc[:, :, rows[keep]].view(torch.uint8), codes.view(torch.uint8))
     assert torch.equal(ksc[:, :, rows[keep]], scales)
     untouched = torch.ones(kc.shape[2], dtype=torch.bool, device=DEVICE)
@@ -137,7 +137,8 @@ def test_zero_nan_inf_and_huge_rows():
     assert torch.equal(vsc[0, :4], scales)
     assert vsc[0, 0, 0] == torch.tensor(1e-6) and (vc[0, 0, 0].view(torch.uint8) == 0).all()
     nan_codes = vc[0, 0, 1].view(torch.uint8)
-    assert nan_codes[3] == 0x7F and (nan_codes[torch.arange(64) != 3] != 0x7F).all()
+    others = torch.arange(64, device=DEVICE) != 3
+    assert nan_codes[3] == 0x7F and (nan_codes[others] != 0x7F).all()
     assert vsc[0, 1, 0] == float("inf") and vc[0, 1, 0].view(torch.uint8)[5] == 0x7F
     assert (vc[0, 1, 1].float().abs() == 448).all()
 
@@ -149,8 +150,10 @@ def test_scale_caches_under_torch_compile_equal_eager():
         kc, vc = args[4].to(FP8), args[5].to(FP8)
         ksc = torch.full(kc.shape[:-1], POISON, device=DEVICE)
         vsc = torch.full(vc.shape[:-1], POISON, device=DEVICE)
-        fn = (lambda *a: qkrope.fused_qk_norm_rope_paged(*a, **kwargs, k_scale_cache=ksc,
-                                                         v_scale_cache=vsc))
+        def fn(*a, ksc=ksc, vsc=vsc):
+            return qkrope.fused_qk_norm_rope_paged(*a, **kwargs, k_scale_cache=ksc,
+                                                   v_scale_cache=vsc)
+
         if compiled:
             torch._dynamo.reset()
             fn = torch.compile(fn, fullgraph=True)
