@@ -304,10 +304,11 @@ def _store_scaled(out_ptr, off, vals, mask, scale_ptr, h, H, stride_scale,
 
 
 @triton.jit
-def _scale_row(row, b, h, block_size, stride_b, stride_blk, stride_row, stride_h,
+def _cache_row(row, b, h, block_size, stride_b, stride_blk, stride_row, stride_h,
                PAGED: tl.constexpr):
-    """Element offset of a written row's scale in a scale cache (the cache's addressing
-    without the head dim)."""
+    """Element offset of cache row ``row`` of batch element ``b`` and head ``h``: a K or V
+    cache's row (then plus the dim's offset), or that row's scale in a scale cache. Paged:
+    block ``row // block_size``, offset ``row % block_size``."""
     if PAGED:
         off = (row // block_size) * stride_blk + (row % block_size) * stride_row
     else:
@@ -409,14 +410,10 @@ def qknorm_rope_kernel(
         row3 = row[None, :, None]
         row_mask = k_mask & (row3 >= 0) & (row3 < rows_per_batch)
         row3 = _index(row3, WIDE)
-        if PAGED:
-            kc_row = (row3 // block_size) * stride_kc_blk + (row3 % block_size) * stride_kc_row
-            vc_row = (row3 // block_size) * stride_vc_blk + (row3 % block_size) * stride_vc_row
-        else:
-            kc_row = row3 * stride_kc_row
-            vc_row = row3 * stride_vc_row
-        kc_row += b * stride_kc_b + hk_i * stride_kc_h
-        vc_row += b * stride_vc_b + hk_i * stride_vc_h
+        kc_row = _cache_row(row3, b, hk_i, block_size, stride_kc_b, stride_kc_blk,
+                            stride_kc_row, stride_kc_h, PAGED)
+        vc_row = _cache_row(row3, b, hk_i, block_size, stride_vc_b, stride_vc_blk,
+                            stride_vc_row, stride_vc_h, PAGED)
         if K_DYN:  # each row's own scale, stored too (docs/design.md, "Per-token-head scales")
             k32_lo, k32_hi = k_lo.to(tl.float32), k_hi.to(tl.float32)
             k_sc, k_r = _token_head_scale(k32_lo, k32_hi, k_cache_ptr)
@@ -424,10 +421,9 @@ def qknorm_rope_kernel(
                          INTERPRETER)
             _store_codes(k_cache_ptr, kc_row + d_hi * stride_kc_d, k32_hi * k_r, row_mask,
                          INTERPRETER)
-            tl.store(k_scale_cache_ptr + _scale_row(row3, b, hk_i, block_size, stride_ksc_b,
+            tl.store(k_scale_cache_ptr + _cache_row(row3, b, hk_i, block_size, stride_ksc_b,
                                                     stride_ksc_blk, stride_ksc_row,
-                                                    stride_ksc_h, PAGED),
-                     k_sc, mask=row_mask)
+                                                    stride_ksc_h, PAGED), k_sc, mask=row_mask)
         else:
             _store_scaled(k_cache_ptr, kc_row + d_lo * stride_kc_d, k_lo, row_mask, k_scale_ptr,
                           hk, Hkv, stride_k_scale, K_SCALED, INTERPRETER, WIDE)
@@ -438,10 +434,9 @@ def qknorm_rope_kernel(
             v_sc, v_r = _token_head_scale(v32, v32, v_cache_ptr)
             _store_codes(v_cache_ptr, vc_row + d_full * stride_vc_d, v32 * v_r, row_mask,
                          INTERPRETER)
-            tl.store(v_scale_cache_ptr + _scale_row(row3, b, hk_i, block_size, stride_vsc_b,
+            tl.store(v_scale_cache_ptr + _cache_row(row3, b, hk_i, block_size, stride_vsc_b,
                                                     stride_vsc_blk, stride_vsc_row,
-                                                    stride_vsc_h, PAGED),
-                     v_sc, mask=row_mask)
+                                                    stride_vsc_h, PAGED), v_sc, mask=row_mask)
         else:
             _store_scaled(v_cache_ptr, vc_row + d_full * stride_vc_d, v, row_mask, v_scale_ptr,
                           hk, Hkv, stride_v_scale, V_SCALED, INTERPRETER, WIDE)

@@ -161,7 +161,8 @@ def launch(query, key, value, positions, key_cache, value_cache, slots, q_norm_w
         MROPE=0 if opts.mrope_section is None else (2 if opts.mrope_interleaved else 1),
         SEC_T=section[0], SEC_H=section[1], SEC_W=section[2], PAGED=opts.layout != "bhsd",
         # FP8 stores: the caches, and the quantised outputs (docs/spec.md, R4).
-        K_SCALED=key_cache.dtype != query.dtype, V_SCALED=value_cache.dtype != query.dtype,
+        K_SCALED=key_cache.dtype != query.dtype and k_scale_cache is None,
+        V_SCALED=value_cache.dtype != query.dtype and v_scale_cache is None,
         QO_SCALED=query_out.dtype != query.dtype, KO_SCALED=key_out.dtype != query.dtype,
         K_DYN=k_scale_cache is not None, V_DYN=v_scale_cache is not None,
         BLOCK_HQ=cfg.block_hq, BLOCK_HKV=cfg.block_hkv, BLOCK_T=cfg.block_t,
