@@ -110,6 +110,15 @@ def quantize(rows: torch.Tensor, cache_dtype: torch.dtype, scale, head_dim_axis:
     return rows.to(cache_dtype)
 
 
+def _div(a, b) -> torch.Tensor:
+    """``a / b`` rounded once (IEEE) on every device. On a GPU torch divides by a Python
+    number as a multiply by its reciprocal (two roundings: the last bit can differ); a tensor
+    divisor on the tensor's own device takes the true division."""
+    like = a if isinstance(a, torch.Tensor) else b
+    a, b = (x if isinstance(x, torch.Tensor) else torch.full_like(like, x) for x in (a, b))
+    return a / b
+
+
 def quantize_token_head(rows: torch.Tensor, cache_dtype: torch.dtype):
     """R5, per-token-head dynamic scales (vLLM's ``fp8_per_token_head`` /
     ``int8_per_token_head``): each row of the last dim gets ``s = max(amax(|x|) / Q, 1e-6)``
@@ -121,13 +130,13 @@ def quantize_token_head(rows: torch.Tensor, cache_dtype: torch.dtype):
     x = rows.float()
     amax = torch.where(x.isnan(), 0.0, x.abs()).amax(-1)
     if cache_dtype == torch.int8:
-        scales = torch.clamp_min(amax / 127.0, 1e-6)
-        y = x * (1.0 / scales)[..., None]
+        scales = torch.clamp_min(_div(amax, 127.0), 1e-6)
+        y = x * _div(1.0, scales)[..., None]
         z = torch.where(y >= 0, y + 0.5, y - 0.5).clamp(-128, 127)
         codes = torch.where(y.isnan(), 0.0, z).trunc().to(torch.int8)
         return codes, torch.where(x.isnan().any(-1), float("nan"), scales)
-    scales = torch.clamp_min(amax / _FP8_MAX[cache_dtype], 1e-6)
-    return _e4m3(x * (1.0 / scales)[..., None], cache_dtype), scales
+    scales = torch.clamp_min(_div(amax, _FP8_MAX[cache_dtype]), 1e-6)
+    return _e4m3(x * _div(1.0, scales)[..., None], cache_dtype), scales
 
 
 def _into(rotated, out, scale):
