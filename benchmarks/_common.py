@@ -77,10 +77,11 @@ def row_options(row: Row, **fields) -> checks.Options:
 
 
 def launch_args(args: tuple, query_out, key_out, opts: checks.Options,
-                k_scale=None, v_scale=None, q_scale=None) -> tuple:
+                k_scale=None, v_scale=None, q_scale=None, k_scale_cache=None,
+                v_scale_cache=None) -> tuple:
     """``launcher.launch``'s positional arguments for public-API ``args`` (either layout)."""
-    return (*args[:10], k_scale, v_scale, q_scale, None, None, query_out, key_out, args[10],
-            opts)
+    return (*args[:10], k_scale, v_scale, q_scale, k_scale_cache, v_scale_cache, query_out,
+            key_out, args[10], opts)
 
 
 # --------------------------------------------------------------------------------------------

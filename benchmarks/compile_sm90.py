@@ -46,26 +46,30 @@ from qkrope.suite import MODELS, ModelGeometry, make_inputs, make_paged_inputs  
 
 TARGET = GPUTarget("cuda", 90, 32)  # what Triton's driver reports for an H100/H200
 
-#: name -> (Options fields, FP8 caches?, head_dim or None): the kernel's constexpr features.
+#: name -> (Options fields, quantised outputs, head_dim or None): the kernel's constexpr
+#: features. Quantised: "fp8" (FP8 caches, per-head scales), "fp8-pth-q8" (FP8 caches with
+#: per-token-head scale caches, FP8 query out), "int8-pth" (INT8 per-token-head caches).
 FEATURES = {
-    "default": ({}, False, None),
-    "gptj": ({"rotary_style": "gptj"}, False, None),
-    "partial": ({"rotary_dim": 64}, False, None),
-    "hf": ({"norm_rounding": "hf"}, False, None),
-    "offset": ({"norm_weight_offset": 1.0}, False, None),
-    "mrope": ({"mrope_section": (24, 20, 20), "mrope_interleaved": True}, False, None),
-    "fp8": ({}, True, None),
-    "d64": ({}, False, 64),
-    "d256": ({}, False, 256),
-    "d512": ({}, False, 512),
+    "default": ({}, None, None),
+    "gptj": ({"rotary_style": "gptj"}, None, None),
+    "partial": ({"rotary_dim": 64}, None, None),
+    "hf": ({"norm_rounding": "hf"}, None, None),
+    "offset": ({"norm_weight_offset": 1.0}, None, None),
+    "mrope": ({"mrope_section": (24, 20, 20), "mrope_interleaved": True}, None, None),
+    "fp8": ({}, "fp8", None),
+    "fp8-pth-q8": ({}, "fp8-pth-q8", None),
+    "int8-pth": ({}, "int8-pth", None),
+    "d64": ({}, None, 64),
+    "d256": ({}, None, 256),
+    "d512": ({}, None, 512),
     # Qwen3.5 / Qwen3-Next full attention: heads of 256, a quarter rotated, (1 + w) weights.
-    "qwen35": ({"rotary_dim": 64, "norm_weight_offset": 1.0}, False, 256),
+    "qwen35": ({"rotary_dim": 64, "norm_weight_offset": 1.0}, None, 256),
 }
 
 
 def captured_launch(row, feature: str, config, num_sms: int, kernel):
     """``(grid, args, meta)`` of the production launch of ``row`` with ``feature``."""
-    fields, fp8, head_dim = FEATURES[feature]
+    fields, quant, head_dim = FEATURES[feature]
     geometry = MODELS["qwen3-coder-480b"]
     if head_dim is not None:
         geometry = ModelGeometry(f"d{head_dim}", geometry.num_q_heads, geometry.num_kv_heads,
@@ -75,13 +79,22 @@ def captured_launch(row, feature: str, config, num_sms: int, kernel):
     opts = row_options(row, **fields)
     if opts.mrope_section is not None:  # three position streams: [3, B, S] / [3, T]
         args[3] = torch.empty(3, *args[3].shape, dtype=args[3].dtype, device="meta")
-    scales = (None, None)
-    if fp8:
-        args[4] = args[4].to(torch.float8_e4m3fn)
-        args[5] = args[5].to(torch.float8_e4m3fn)
+    scales, q_out = (None, None, None, None, None), torch.empty_like(args[0])
+    if quant is not None:
+        dtype = torch.int8 if quant.startswith("int8") else torch.float8_e4m3fn
+        args[4], args[5] = args[4].to(dtype), args[5].to(dtype)
         Hkv = args[1].shape[1]  # key: [B, Hkv, S, D] or [T, Hkv, D]
-        scales = tuple(torch.empty(Hkv, dtype=torch.float32, device="meta") for _ in "kv")
-    q_out, k_out = torch.empty_like(args[0]), torch.empty_like(args[1])
+        if quant == "fp8":
+            scales = (*(torch.empty(Hkv, dtype=torch.float32, device="meta") for _ in "kv"),
+                      None, None, None)
+        else:
+            q_scale = None
+            if quant.endswith("q8"):
+                q_out = torch.empty_like(args[0], dtype=torch.float8_e4m3fn)
+                q_scale = torch.empty(1, dtype=torch.float32, device="meta")
+            scales = (None, None, q_scale, *(torch.empty(c.shape[:-1], dtype=torch.float32,
+                                                          device="meta") for c in args[4:6]))
+    k_out = torch.empty_like(args[1])
     got = []
     with forced(kernel=None, config=config, num_sms=num_sms, capture=got):
         launcher.launch(*launch_args(tuple(args), q_out, k_out, opts, *scales))

@@ -288,17 +288,26 @@ def _norm_rope_tile(x_lo, x_hi, w_lo, w_hi, x_ptr, row_off, stride_d, mask, w_pt
 
 
 @triton.jit
-def _store_scaled(out_ptr, off, vals, mask, scale_ptr, h, H, stride_scale,
-                  SCALED: tl.constexpr, INTERPRETER: tl.constexpr, WIDE: tl.constexpr):
-    """Store rows (a cache's, or a quantised output's); FP8 gets saturate(x / scale) (vLLM's
-    convention) with a given per-tensor or per-head scale."""
+def _static_scale(scale_ptr, h, H, stride_scale, SCALED: tl.constexpr, WIDE: tl.constexpr):
+    """The given FP8 scale of each head of the tile (per-tensor scales come with stride 0;
+    heads past H are masked), loaded with the tile: a load issued after the norm's reduction
+    would add a memory latency to every program (docs/design.md, "FP8 stores")."""
     if SCALED:
-        # Per-tensor scales come with stride 0; heads past H in the tile are masked.
-        scale = tl.load(scale_ptr + _index(h, WIDE) * stride_scale, mask=h < H, other=1.0)
+        return tl.load(scale_ptr + _index(h, WIDE) * stride_scale, mask=h < H,
+                       other=1.0).to(tl.float32)
+    else:
+        return 1.0
+
+
+@triton.jit
+def _store_scaled(out_ptr, off, vals, mask, scale, SCALED: tl.constexpr,
+                  INTERPRETER: tl.constexpr):
+    """Store rows (a cache's, or a quantised output's); FP8 gets saturate(x / scale) (vLLM's
+    convention) with the tile's :func:`_static_scale`."""
+    if SCALED:
         # IEEE division (div.rn), as torch's x / scale: Triton's fp32 `/` is the approximate
         # div.full (up to 2 ulp), which can tip an e4m3 rounding (docs/design.md, "FP8 stores").
-        _store_fp8(out_ptr, off, tl.math.div_rn(vals.to(tl.float32), scale.to(tl.float32)),
-                   mask, INTERPRETER)
+        _store_fp8(out_ptr, off, tl.math.div_rn(vals.to(tl.float32), scale), mask, INTERPRETER)
     else:
         tl.store(out_ptr + off, vals, mask=mask)
 
@@ -373,16 +382,17 @@ def qknorm_rope_kernel(
         q_row = b * stride_q_b + hq_i * stride_q_h + t3 * stride_q_t
         qw_lo, qw_hi, qx_lo, qx_hi = _load_tile(q_ptr, q_row, stride_q_d, q_mask, q_w_ptr,
                                                 stride_q_w, D, W_OFFSET, WIDE)
+        q_sc = _static_scale(q_scale_ptr, hq, Hq, stride_q_scale, QO_SCALED, WIDE)
         q_lo, q_hi = _norm_rope_tile(
             qx_lo, qx_hi, qw_lo, qw_hi, q_ptr, q_row, stride_q_d, q_mask, q_w_ptr, stride_q_w,
             pos_ptr, pos_off, t_mask, inv_freq_ptr, stride_inv_freq, stride_pos_r, eps, D, ROT,
             GPTJ, HF_NORM, W_OFFSET, COS_SIN_SCALE, MROPE, SEC_T, SEC_H, SEC_W, INTERPRETER,
             WIDE)
         qo_row = b * stride_qo_b + hq_i * stride_qo_h + t3 * stride_qo_t
-        _store_scaled(q_out_ptr, qo_row + d_lo * stride_qo_d, q_lo, q_mask, q_scale_ptr, hq, Hq,
-                      stride_q_scale, QO_SCALED, INTERPRETER, WIDE)
-        _store_scaled(q_out_ptr, qo_row + d_hi * stride_qo_d, q_hi, q_mask, q_scale_ptr, hq, Hq,
-                      stride_q_scale, QO_SCALED, INTERPRETER, WIDE)
+        _store_scaled(q_out_ptr, qo_row + d_lo * stride_qo_d, q_lo, q_mask, q_sc, QO_SCALED,
+                      INTERPRETER)
+        _store_scaled(q_out_ptr, qo_row + d_hi * stride_qo_d, q_hi, q_mask, q_sc, QO_SCALED,
+                      INTERPRETER)
     else:
         hk = ((pid_h - n_q_blocks) * BLOCK_HKV + tl.arange(0, BLOCK_HKV))[:, None, None]
         k_mask = (hk < Hkv) & (t3 < T)
@@ -396,16 +406,19 @@ def qknorm_rope_kernel(
         # In the index tensor's own type: the range check must see the row before any
         # narrowing to the offset width (an int64 row of 2**32 + 5 is not row 5).
         row = tl.load(slot_ptr + t_i * stride_slot, mask=t_mask, other=-1)
+        ko_sc = _static_scale(k_scale_ptr, hk, Hkv, stride_k_scale, KO_SCALED, WIDE)
+        kc_sc = _static_scale(k_scale_ptr, hk, Hkv, stride_k_scale, K_SCALED, WIDE)
+        vc_sc = _static_scale(v_scale_ptr, hk, Hkv, stride_v_scale, V_SCALED, WIDE)
         k_lo, k_hi = _norm_rope_tile(
             kx_lo, kx_hi, kw_lo, kw_hi, k_ptr, k_row, stride_k_d, k_mask, k_w_ptr, stride_k_w,
             pos_ptr, pos_off, t_mask, inv_freq_ptr, stride_inv_freq, stride_pos_r, eps, D, ROT,
             GPTJ, HF_NORM, W_OFFSET, COS_SIN_SCALE, MROPE, SEC_T, SEC_H, SEC_W, INTERPRETER,
             WIDE)
         ko_row = b * stride_ko_b + hk_i * stride_ko_h + t3 * stride_ko_t
-        _store_scaled(k_out_ptr, ko_row + d_lo * stride_ko_d, k_lo, k_mask, k_scale_ptr, hk, Hkv,
-                      stride_k_scale, KO_SCALED, INTERPRETER, WIDE)
-        _store_scaled(k_out_ptr, ko_row + d_hi * stride_ko_d, k_hi, k_mask, k_scale_ptr, hk, Hkv,
-                      stride_k_scale, KO_SCALED, INTERPRETER, WIDE)
+        _store_scaled(k_out_ptr, ko_row + d_lo * stride_ko_d, k_lo, k_mask, ko_sc, KO_SCALED,
+                      INTERPRETER)
+        _store_scaled(k_out_ptr, ko_row + d_hi * stride_ko_d, k_hi, k_mask, ko_sc, KO_SCALED,
+                      INTERPRETER)
 
         row3 = row[None, :, None]
         row_mask = k_mask & (row3 >= 0) & (row3 < rows_per_batch)
@@ -425,10 +438,10 @@ def qknorm_rope_kernel(
                                                     stride_ksc_blk, stride_ksc_row,
                                                     stride_ksc_h, PAGED), k_sc, mask=row_mask)
         else:
-            _store_scaled(k_cache_ptr, kc_row + d_lo * stride_kc_d, k_lo, row_mask, k_scale_ptr,
-                          hk, Hkv, stride_k_scale, K_SCALED, INTERPRETER, WIDE)
-            _store_scaled(k_cache_ptr, kc_row + d_hi * stride_kc_d, k_hi, row_mask, k_scale_ptr,
-                          hk, Hkv, stride_k_scale, K_SCALED, INTERPRETER, WIDE)
+            _store_scaled(k_cache_ptr, kc_row + d_lo * stride_kc_d, k_lo, row_mask, kc_sc,
+                          K_SCALED, INTERPRETER)
+            _store_scaled(k_cache_ptr, kc_row + d_hi * stride_kc_d, k_hi, row_mask, kc_sc,
+                          K_SCALED, INTERPRETER)
         if V_DYN:
             v32 = v.to(tl.float32)
             v_sc, v_r = _token_head_scale(v32, v32, v_cache_ptr)
@@ -438,5 +451,5 @@ def qknorm_rope_kernel(
                                                     stride_vsc_blk, stride_vsc_row,
                                                     stride_vsc_h, PAGED), v_sc, mask=row_mask)
         else:
-            _store_scaled(v_cache_ptr, vc_row + d_full * stride_vc_d, v, row_mask, v_scale_ptr,
-                          hk, Hkv, stride_v_scale, V_SCALED, INTERPRETER, WIDE)
+            _store_scaled(v_cache_ptr, vc_row + d_full * stride_vc_d, v, row_mask, vc_sc,
+                          V_SCALED, INTERPRETER)
