@@ -11,7 +11,7 @@
 #   bash benchmarks/device_session.sh sweep      # --sweep vs torch.compile, 96/8 and 32/8 heads
 #   bash benchmarks/device_session.sh presets    # sweeps: qwen3-32b, qwen3-vl-8b, qwen3.5-27b
 #   bash benchmarks/device_session.sh e2e [PRESET] # qkrope bench --e2e: the model, stock vs patched
-#   bash benchmarks/device_session.sh quant      # qkrope only, bf16 vs each quantised mode, both layouts
+#   bash benchmarks/device_session.sh quant      # qkrope only, bf16 vs each quantised mode, both layouts (~3 min)
 #   bash benchmarks/device_session.sh tiles      # tile sweep on the mid-size workloads
 #   bash benchmarks/device_session.sh small-tiles # one head per program vs tiles, 1-64 tokens, 5 models
 #   bash benchmarks/device_session.sh trig       # trig cost: kernel variants trig_hw, no_trig
@@ -49,7 +49,7 @@ case "${1:-tests}" in
          done ;;
   e2e)   python3 -m qkrope bench --e2e ${2:+--model $2} --json "$OUT/e2e.json" \
            --plot "$OUT/e2e.png" 2>&1 | tee "$OUT/e2e.md" ;;
-  quant) # the quantised modes against bf16 outputs, one run each (~8 min in all)
+  quant) # the quantised modes against bf16 outputs, one run each (~3 min in all)
     for layout in bhsd paged; do
       for mode in bf16 fp8 fp8-pth-q8 int8-pth; do
         case $mode in bf16) f="";; fp8) f="--kv-dtype fp8";;
