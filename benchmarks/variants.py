@@ -79,6 +79,22 @@ _PARTIAL_ROTARY_FREQS = Edit(KERNEL, '''    angle = _angles(pos_ptr, pos_off, t_
         cos, sin = _cos_sin(angle[None, :, :], DT, COS_SIN_SCALE, INTERPRETER)
 ''')
 
+# Static FP8 scales: the quotient x / s from the head's reciprocal and one FMA correction
+# instead of a div_rn per element (MUFU.RCP + FCHK + a slow-path branch each). Gives the IEEE
+# quotient's e4m3 code for every bf16 and fp16 x on the scales benchmarks/fp8_division_check.py
+# tries; the interpreter (no fused FMA) keeps div_rn. Open lead: docs/perf-notes.md.
+_FMA_DIVISION = Edit(KERNEL, '''        _store_fp8(out_ptr, off, tl.math.div_rn(vals.to(tl.float32), scale), mask, INTERPRETER)
+''', '''        x = vals.to(tl.float32)
+        if INTERPRETER:
+            q = tl.math.div_rn(x, scale)
+        else:
+            r = tl.math.div_rn(1.0, scale)
+            q0 = x * r
+            q1 = tl.fma(tl.fma(-q0, scale, x), r, q0)
+            q = tl.where(tl.abs(q1) > 0.0, q1, q0)  # +-0 keeps its sign; +-inf, NaN: q0
+        _store_fp8(out_ptr, off, q, mask, INTERPRETER)
+''')
+
 #: name -> (what it probes, edits).
 VARIANTS: dict[str, tuple[str, list[Edit]]] = {
     "skeleton": ("loads and stores only, no norm, rotation or trig: a lower bound for this "
@@ -92,6 +108,9 @@ VARIANTS: dict[str, tuple[str, list[Edit]]] = {
                          [Edit(KERNEL, ".to(tl.int64)", ".to(tl.int32)", every=True)]),
     "partial_rotary_freqs": ("partial NeoX rotary: cos/sin on the ROT / 2 distinct frequencies "
                              "(exact; a candidate)", [_PARTIAL_ROTARY_FREQS]),
+    "fma_division": ("static FP8 scales: reciprocal per head + one FMA correction per element "
+                     "instead of div_rn (exact on the checked inputs; a candidate)",
+                     [_FMA_DIVISION]),
 }
 
 
@@ -139,7 +158,8 @@ def variant_kernel(name: str | None):
     files = patched(name, pathlib.Path(production.__file__).resolve().parents[3])
     if set(files) != {KERNEL}:
         raise ValueError(f"variant {name!r} patches {', '.join(files)}: use write_tree")
-    src = files[KERNEL]
+    # Imported as a lone file: its relative imports name the production package.
+    src = files[KERNEL].replace("\nfrom .", "\nfrom qkrope.ops.qknorm_rope.")
     module_name = f"qkrope_kernel_{name}_{hashlib.sha1(src.encode()).hexdigest()[:10]}"
     if module_name in sys.modules:
         return sys.modules[module_name].qknorm_rope_kernel

@@ -60,3 +60,18 @@ def test_partial_rotary_freqs_matches_the_reference(tmp_path):
     probe = subprocess.run([sys.executable, "-c", "import qkrope; print(qkrope.__file__)"],
                            capture_output=True, text=True, timeout=120, env=env)
     assert str(tmp_path) in probe.stdout
+
+
+def test_fma_division_gives_the_ieee_quotients_e4m3_codes():
+    """The arithmetic of the ``fma_division`` candidate (its GPU branch: the interpreter keeps
+    div_rn) stores the same e4m3 code as torch's ``x / s`` for every bf16 and fp16 ``x`` on a
+    few scales (the full check: ``python benchmarks/fp8_division_check.py``), and the check has
+    teeth: the quotient without its FMA correction is caught."""
+    spec = importlib.util.spec_from_file_location(
+        "fp8_division_check", ROOT / "benchmarks" / "fp8_division_check.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    assert check.main(["--scales", "4"]) == 0
+    check.variant_quotient = lambda x, s: (x.astype(check.F64) * check.F64(
+        check.F32(1.0 / check.F64(s)))).astype(check.F32)
+    assert check.main(["--scales", "40"]) == 1

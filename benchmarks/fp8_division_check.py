@@ -1,0 +1,100 @@
+"""Exhaustive CPU check of the ``fma_division`` variant's arithmetic (benchmarks/variants.py):
+for every finite bf16 and fp16 value x and many fp32 scales s, is
+
+    r = RN(1 / s);  q0 = RN(x * r);  q1 = RN(q0 + RN(x - q0 * s) * r)   (both FMAs one rounding)
+    q = q1 if |q1| > 0 else q0
+
+stored as the same e4m3 code as the IEEE quotient RN(x / s) (spec.md R4: saturate to +-448,
+nearest even, NaN kept)? The FMAs are emulated exactly in float64 (products of two fp32 are
+exact there; the sum is split by TwoSum, so a float64 sum that lands on an fp32 midpoint is
+resolved by its error term). The reference quotient is float64 division rounded to fp32, which
+is the correctly rounded fp32 quotient (53 >= 2 * 24 + 2).
+
+    python benchmarks/fp8_division_check.py                 # 2,000 random scales + edge cases
+    python benchmarks/fp8_division_check.py --scales 20000 --seed 3
+
+Exit status 1 when any code differs (the variant must then not be adopted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+import torch
+
+F32, F64 = np.float32, np.float64
+
+
+def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """RN32(a * b + c) with one rounding, for fp32 arrays."""
+    p, c64 = a.astype(F64) * b.astype(F64), c.astype(F64)
+    s = p + c64
+    bb = s - p
+    err = (p - (s - bb)) + (c64 - bb)  # p + c = s + err exactly
+    out = s.astype(F32)
+    up, dn = np.nextafter(out, F32(np.inf)), np.nextafter(out, F32(-np.inf))
+    # Rounding s differs from rounding the exact sum only where s is an fp32 midpoint.
+    on_up = s == (out.astype(F64) + up.astype(F64)) / 2
+    on_dn = s == (out.astype(F64) + dn.astype(F64)) / 2
+    out = np.where(on_up & (err > 0), up, out)
+    return np.where(on_dn & (err < 0), dn, out)
+
+
+def variant_quotient(x: np.ndarray, s: F32) -> np.ndarray:
+    sv = np.full_like(x, s)
+    r = F32(1.0 / F64(s))
+    rv = np.full_like(x, r)
+    q0 = (x.astype(F64) * F64(r)).astype(F32)
+    q1 = fma32(fma32(-q0, sv, x), rv, q0)
+    with np.errstate(invalid="ignore"):
+        return np.where(np.abs(q1) > 0, q1, q0)
+
+
+def e4m3_codes(q: np.ndarray) -> np.ndarray:
+    t = torch.from_numpy(np.ascontiguousarray(q))
+    return torch.where(t.isnan(), t, t.clamp(-448, 448)).to(torch.float8_e4m3fn).view(
+        torch.uint8).numpy()
+
+
+def every_value(dtype: torch.dtype) -> np.ndarray:
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    x = bits.view(dtype).float().numpy()
+    return x[np.isfinite(x)]
+
+
+def scales(n: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    edge = [1.0, 1 / 448, 1 / 64, 7.0, 0.1, 3.0, 1.5, 1e-6, 1e6, 2.0**-20, 2.0**20,
+            float(np.nextafter(F32(2), F32(0))), float(np.nextafter(F32(1), F32(2)))]
+    mantissas = rng.integers(1 << 23, 1 << 24, n).astype(F64) * 2.0**-23  # every mantissa bit
+    return np.concatenate([np.array(edge, F32), (10 ** rng.uniform(-6, 6, n)).astype(F32),
+                           (mantissas * 2.0 ** rng.integers(-8, 8, n)).astype(F32)])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--scales", type=int, default=2000, help="random scales of each kind")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    ss = scales(args.scales, args.seed)
+    worst = 0
+    print("| x dtype | values | scales | e4m3 codes differing | fp32 quotients differing (|x/s| > 2**-12) |")
+    print("|---|---|---|---|---|")
+    for dtype in (torch.bfloat16, torch.float16):
+        x = every_value(dtype)
+        codes = quotients = 0
+        with np.errstate(over="ignore", invalid="ignore"):
+            for s in ss:
+                ref = (x.astype(F64) / F64(s)).astype(F32)
+                q = variant_quotient(x, s)
+                codes += int((e4m3_codes(q) != e4m3_codes(ref)).sum())
+                quotients += int(((q != ref) & (np.abs(ref) > 2.0**-12)).sum())
+        worst = max(worst, codes)
+        print(f"| {str(dtype).removeprefix('torch.')} | {len(x)} | {len(ss)} | {codes} | {quotients} |")
+    return 1 if worst else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
