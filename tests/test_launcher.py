@@ -92,7 +92,21 @@ def fake(monkeypatch):
         def launch(plan, stream, *values):
             runs.append((stream, module.params(plan, *values)))
 
+        # The registered op's C++ route: what the launcher tells it, kept here.
+        served, added = [], []
+
+        @staticmethod
+        def serve_op(*args):
+            Module.served.append(args)
+            return True
+
+        @staticmethod
+        def add_plan(op, options, signature, plan):
+            Module.added.append((op, options, signature))
+            return True
+
     jit = FakeJit()
+    jit.module = Module
     for name, value in (("signature_fn", lambda: Module.signature),
                         ("outputs_fn", lambda: Module.outputs), ("module", lambda: Module),
                         ("start_build", lambda force=False: None)):
@@ -105,6 +119,7 @@ def fake(monkeypatch):
     monkeypatch.setattr(_launch, "_triton_verified", lambda: True)
     monkeypatch.setattr(launcher.LAUNCHER, "kernel", jit)
     monkeypatch.setattr(launcher.LAUNCHER, "plans", {})
+    monkeypatch.setattr(launcher.LAUNCHER, "_op_served", False)
     monkeypatch.setattr(torch.cuda, "device", lambda d: _Nothing())
     return jit, runs
 
@@ -158,6 +173,12 @@ def test_fast_path_passes_what_triton_got(fake, name):
                                    "v_scale_cache") if n not in kwargs]
     expected = _null_scales(expected, triton_args, absent)
     assert _null_scales(params, triton_args, absent) == expected
+    # The plan also went to the registered op's C++ kernel, under the op's options argument.
+    served, added = jit.module.served, jit.module.added
+    assert [s[:2] for s in served] == [("qkrope::qknorm_rope", "qkrope::qknorm_rope_checked")]
+    assert served[0][3:] == (17, 1, "CUDA") and len(added) == 1
+    op_name, options, signature = added[0]
+    assert op_name == "qkrope::qknorm_rope" and options.startswith("(")
 
 
 def _null_scales(params: bytes, triton_args, names) -> bytes:

@@ -172,3 +172,67 @@ def test_native_plan_takes_per_call_values_by_position_in_the_kernel(module):
     plan = module.make_launch(0, 1, 1, 1, 32, 0, 0, "ipcfpp", (5, None, 3, 0.0, None, None),
                               (3, 1), False)
     assert module.params(plan, 2.5, 64) == struct.pack("<iQfQQ", 5, 64, 2.5, 0, 0)
+
+
+# A registered op served by the native route (csrc/op_route.cpp), on the CPU dispatch key here
+# (the ops' own route is on CUDA): (pointer arguments, float scalars, options).
+_ROUTE_LIB = torch.library.Library("qkrope_route_test", "DEF")
+_ROUTE_CALLS = []
+
+
+def _route_body(x: torch.Tensor, out: torch.Tensor, eps: float, options: str) -> None:
+    _ROUTE_CALLS.append(options)
+    out.copy_(x)
+
+
+for _name in ("route", "route_checked"):
+    _ROUTE_LIB.define(_name + "(Tensor x, Tensor(a!) out, float eps, str options) -> ()")
+    _ROUTE_LIB.impl(_name, _route_body, "CompositeExplicitAutograd")
+
+
+def test_served_op_launches_its_plans_in_cpp_and_hands_every_miss_to_its_twin(module):
+    """The C++ kernel takes a call whose (options, signature) has a plan -- it launches that plan
+    and bumps the written tensors' versions, running no Python -- and hands any other call, to
+    the letter, to the checked twin (the Python body)."""
+    op, rules = torch.ops.qkrope_route_test.route, bytes([1, 1, 0])  # writes out; no in-place
+    name = "qkrope_route_test::route"
+    assert module.route_plans(name) == -1
+    assert module.serve_op(name, name + "_checked", rules, 2, 1, "CPU")
+    assert not module.serve_op(name, name + "_checked", rules, 2, 1, "CPU")  # once per process
+    x, out = torch.randn(16), torch.empty(16)
+    _ROUTE_CALLS.clear()
+    op(x, out, 1e-6, "a")  # no plan yet
+    assert _ROUTE_CALLS == ["a"] and torch.equal(out, x)
+    # A plan of an empty grid: the C++ kernel takes the call and launches nothing (no GPU here).
+    plan = module.make_launch(0, 0, 1, 1, 32, 0, 0, "ppfpp", (None, None, 0.0, None, None),
+                              (0, 1, 2), False)
+    assert module.add_plan(name, "a", module.signature(rules, x, out)[0], plan)
+    assert not module.add_plan("qkrope_route_test::nothing", "a", b"", plan)  # not served
+    assert module.route_plans(name) == 1
+    version = out._version
+    op(x, torch.empty(32)[::2], 1e-6, "a")  # another signature (strides)
+    op(x, out, 1e-6, "b")  # other options
+    op(x, out, float("nan"), "a")  # a scalar the fast path never passes unchecked
+    op(x, out, 1e300, "a")  # not a float32
+    op(x[:16], x, 1e-6, "a")  # out aliases x (same signature as x, out): the overlap rule
+    assert _ROUTE_CALLS == ["a"] * 2 + ["b", "a", "a", "a"]
+    op(x, out, 1e-6, "a")
+    op(x, out, 0.0, "a")
+    assert _ROUTE_CALLS == ["a"] * 2 + ["b", "a", "a", "a"]  # both through the plan
+    assert out._version > version + 1
+    module.clear_plans(name)
+    assert module.route_plans(name) == 0
+    op(x, out, 1e-6, "a")
+    assert _ROUTE_CALLS[-1] == "a" and len(_ROUTE_CALLS) == 7
+
+
+def test_the_op_and_its_launcher_are_set_up_for_the_native_route():
+    from qkrope.ops.qknorm_rope.launcher import LAUNCHER
+
+    assert LAUNCHER.op == "qkrope::qknorm_rope"
+    schemas = [str(getattr(torch.ops.qkrope, n).default._schema).split("(", 1)[1]
+               for n in ("qknorm_rope", "qknorm_rope_checked")]
+    assert schemas[0] == schemas[1]  # the twin: the same arguments, the same body
+    args = torch.ops.qkrope.qknorm_rope.default._schema.arguments
+    n = LAUNCHER._n_pointers
+    assert [str(a.type) for a in args[n:]] == ["float"] * (len(LAUNCHER.per_call) - n) + ["str"]

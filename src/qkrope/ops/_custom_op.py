@@ -14,6 +14,12 @@ call of the op on an H200 host, where the plain definition costs what a register
 only adds one does (docs/design.md, "Compile route"). What those layers did is done where it
 is cheap: the public functions refuse inputs that autograd would record (at trace time under
 ``torch.compile``), and the op's body bumps the version counters of what it writes.
+
+An op that launches through a :class:`~qkrope.ops._launch.KernelLauncher` (``launcher=``) also
+gets a twin, ``<name>_checked``, with the same schema and body: once the native helpers are
+built, the launcher registers a C++ kernel for the op on CUDA that launches the plans of calls
+it has seen without entering Python, and hands every other call to the twin
+(``csrc/op_route.cpp``).
 """
 
 from __future__ import annotations
@@ -27,15 +33,23 @@ __all__ = ["custom_op"]
 _LIBRARY = torch.library.Library("qkrope", "FRAGMENT")
 
 
-def custom_op(name: str, body: Callable, mutates_args: tuple[str, ...]) -> Callable:
+def custom_op(name: str, body: Callable, mutates_args: tuple[str, ...],
+              launcher=None) -> Callable:
     """Register ``body`` (a fully annotated function returning None) as
     ``torch.ops.qkrope.<name>`` with a fake that does nothing; return a function with
     ``body``'s arguments that runs ``body`` directly when eager and the registered op while
-    compiling. ``mutates_args``: the arguments ``body`` writes."""
+    compiling. ``mutates_args``: the arguments ``body`` writes. ``launcher``: the
+    ``KernelLauncher`` whose plans ``body`` remembers (under the options string, its last
+    argument); the op's schema is then the launcher's pointer arguments, its scalars, and that
+    string, and the launcher serves the op natively (module docstring)."""
 
-    _LIBRARY.define(name + torch.library.infer_schema(body, mutates_args=mutates_args))
-    _LIBRARY.impl(name, body, "CompositeExplicitAutograd")
+    schema = torch.library.infer_schema(body, mutates_args=mutates_args)
+    for op in (name, name + "_checked") if launcher is not None else (name,):
+        _LIBRARY.define(op + schema)
+        _LIBRARY.impl(op, body, "CompositeExplicitAutograd")
     torch.library.register_fake(f"qkrope::{name}", lambda *args, **kwargs: None, lib=_LIBRARY)
+    if launcher is not None:
+        launcher.serve(f"qkrope::{name}", f"qkrope::{name}_checked")
     dispatched = getattr(torch.ops.qkrope, name).default
 
     def call(*args):

@@ -161,7 +161,24 @@ class KernelLauncher:
                             *(index(n) for pair in in_place for n in pair)])
         self._likes = tuple(index(like) for _, like in outputs)
         self._written_inputs = tuple(index(n) for n in written if index(n) < n_in)
+        self._n_pointers = n_in + len(outputs)
         self.plans: dict = {}
+        self.op: str | None = None          # the registered op served natively (serve)
+        self._op_checked: str | None = None
+        self._op_served = False
+
+    def serve(self, op: str, checked: str) -> None:
+        """Have the native helpers run registered op ``op`` (``"ns::name"``) on CUDA with this
+        launcher's plans, ``checked`` taking every call without one (``_custom_op.py``). Takes
+        effect at the first plan made once the helpers are built."""
+        self.op, self._op_checked = op, checked
+
+    def clear_plans(self) -> None:
+        """Forget every plan, the served op's included: the next calls take the checked path."""
+        self.plans.clear()
+        module = _native.module()
+        if module is not None and self.op is not None:
+            module.clear_plans(self.op)
 
     def launch(self, grid: tuple, args: dict, meta: dict, device: torch.device):
         """Triton's public launch on checked arguments; returns the compiled kernel (None in
@@ -218,14 +235,15 @@ class KernelLauncher:
         return outs
 
     def remember(self, options, inputs: Sequence, outs: Sequence, launched: tuple,
-                 device_index: int) -> None:
+                 device_index: int, op_options: str | None = None) -> None:
         """After a checked launch of ``inputs`` and ``outs`` (as :meth:`fast_call` takes them)
         that returned ``launched`` = ``(compiled, grid, args, meta)``, keep a native plan for
         the call's signature (no-op where the native route is not in use; the first such
         launch starts building the native helpers). Where an output is what the fast path would
         allocate for it (contiguous, its input's shape and dtype, 16-byte aligned), the plan
         also serves the signature with that output absent: an eager call that leaves it to the
-        op takes the plan (docs/design.md, "Native launch route")."""
+        op takes the plan (docs/design.md, "Native launch route"). ``op_options``: the served
+        op's options argument for this call; the op's C++ kernel then takes the plan too."""
         compiled, grid, args, meta = launched
         if compiled is None or interpreting():
             return
@@ -244,6 +262,13 @@ class KernelLauncher:
         if len(self.plans) >= self.MAX_PLANS:
             self.plans.clear()
         self.plans[found[0]] = plan = Plan(plan, device_index, _native.module().launch)
+        if self.op is not None and op_options is not None:
+            module = _native.module()
+            if not self._op_served:
+                self._op_served = True
+                module.serve_op(self.op, self._op_checked, self.rules, self._n_pointers,
+                                len(self.per_call) - self._n_pointers, "CUDA")
+            module.add_plan(self.op, op_options, found[0][1], plan.handle)
         for absent in itertools.product(*(((o, None) if _allocated_like(o, inputs[i]) else (o,))
                                           for o, i in zip(outs, self._likes))):
             if None in absent and (key := self.signature(options, (*inputs, *absent))):

@@ -1,6 +1,6 @@
-"""The native helpers of the direct-launch fast path (``csrc/fast_path.cpp`` +
-``csrc/launch_plan.cpp``, one translation unit): built once per
-machine in a separate process, loaded at a call boundary once ready.
+"""The native helpers of the direct-launch fast path and of the registered ops' compile route
+(``csrc/fast_path.cpp`` + ``csrc/launch_plan.cpp`` + ``csrc/op_route.cpp``, one translation
+unit): built once per machine in a separate process, loaded at a call boundary once ready.
 
 What: a small C++ extension that does, each in one call, what the eager fast path otherwise does
 in Python: read the call's signature (shape, strides, dtype, device and alignment of every
@@ -63,13 +63,13 @@ BUILD_DEADLINE = 900.0
 # A private directory this old is removed whatever its builder's state (pid reuse, zombies).
 _STALE_AFTER = 3600.0
 _PRIVATE_PREFIX = "build-"
-# One translation unit in two files, joined in this order: the signature, overlap and outputs
-# helpers, then the launch plans and the module's function table.
+# One translation unit in three files, joined in this order: the signature, overlap and outputs
+# helpers; the launch plans; the registered ops' C++ kernel and the module's function table.
 _SOURCES = tuple(Path(__file__).with_name("csrc") / f
-                 for f in ("fast_path.cpp", "launch_plan.cpp"))
+                 for f in ("fast_path.cpp", "launch_plan.cpp", "op_route.cpp"))
 _CFLAGS = ("-O2",)
 _LDFLAGS = ("-ldl",)
-_FUNCTIONS = ("signature", "outputs", "make_launch", "launch")
+_FUNCTIONS = ("signature", "outputs", "make_launch", "launch", "serve_op", "add_plan")
 
 
 def _fresh_state() -> dict:
@@ -131,8 +131,11 @@ def poll() -> None:
 
 
 def set_enabled(on: bool) -> None:
-    """Turn the native helpers on or off for this process (``QKROPE_NATIVE`` at import)."""
+    """Turn the native helpers on or off for this process (``QKROPE_NATIVE`` at import). Off,
+    the registered ops' C++ kernels forget their plans and hand every call to the Python body."""
     _state["enabled"] = bool(on)
+    if not on and _state["module"] is not None:
+        _state["module"].clear_plans()
 
 
 def enabled() -> bool:

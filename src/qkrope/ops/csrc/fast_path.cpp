@@ -17,10 +17,20 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/extension.h>
+#include <torch/library.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/object_ptr.h>
@@ -156,70 +166,73 @@ bool disjoint(const char* rules, Py_ssize_t len, const View* views, Py_ssize_t n
   return true;
 }
 
+// One tensor of a call into the key: dtype, device, sizes, strides and whether the data pointer
+// is 16-byte aligned (what Triton specialises on), plus its View for the overlap rule. False when
+// the fast path must not take it (autograd would record it; no room left in the key).
+bool pack_tensor(const at::Tensor& t, int64_t* buf, size_t& n, size_t cap, View& view) {
+  // The ops have no backward: the checked path refuses what autograd would record.
+  if (t.requires_grad() && at::GradMode::is_enabled()) return false;
+  const int64_t nd = t.dim();
+  if (n + 6 + 2 * static_cast<size_t>(nd) > cap) return false;
+  auto sizes = t.sizes();
+  auto strides = t.strides();  // throws for tensors without strides (sparse, nested)
+  buf[n++] = static_cast<int64_t>(t.scalar_type());
+  buf[n++] = static_cast<int64_t>(t.device().type());
+  buf[n++] = t.device().index();
+  buf[n++] = nd;
+  for (int64_t d = 0; d < nd; ++d) buf[n++] = sizes[d];
+  for (int64_t d = 0; d < nd; ++d) buf[n++] = strides[d];
+  const auto p = reinterpret_cast<uintptr_t>(t.const_data_ptr());
+  buf[n++] = (p % 16) == 0;
+  view = View(p, static_cast<int64_t>(t.element_size()), sizes, strides);
+  return true;
+}
+
+constexpr size_t kKeyWords = 512;   // int64 words: 6 + 2 * ndim per tensor, far above 16 tensors
+constexpr Py_ssize_t kMaxTensors = 32;
+
 }  // namespace
 
 // signature(rules, *tensors): see the top of this file; rules as in disjoint(). None also when
 // a written tensor may overlap another (the checked path reports which).
 static PyObject* qk_signature(PyObject*, PyObject* const* all_args, Py_ssize_t all_n) {
-  constexpr size_t CAP = 512;  // int64 words: 6 + 2 * ndim per tensor, far above 16 tensors
-  constexpr Py_ssize_t MAX_TENSORS = 32;
-  if (all_n < 1 || !PyBytes_Check(all_args[0]) || all_n - 1 > MAX_TENSORS) {
+  if (all_n < 1 || !PyBytes_Check(all_args[0]) || all_n - 1 > kMaxTensors) {
     PyErr_SetString(PyExc_TypeError, "signature(rules: bytes, *tensors) (at most 32 tensors)");
     return nullptr;
   }
   PyObject* const* args = all_args + 1;
   const Py_ssize_t nargs = all_n - 1;
-  View views[MAX_TENSORS];
-  int64_t buf[CAP];
+  View views[kMaxTensors];
+  int64_t buf[kKeyWords];
   size_t n = 0;
-  PyObject* addrs = PyList_New(nargs);
+  THPObjectPtr addrs(PyList_New(nargs));
   if (!addrs) return nullptr;
   try {
     for (Py_ssize_t i = 0; i < nargs; ++i) {
       PyObject* obj = args[i];
       if (obj == Py_None) {
-        if (n + 1 > CAP) { Py_DECREF(addrs); Py_RETURN_NONE; }
+        if (n + 1 > kKeyWords) Py_RETURN_NONE;
         buf[n++] = -1;
         Py_INCREF(Py_None);
-        PyList_SET_ITEM(addrs, i, Py_None);
+        PyList_SET_ITEM(addrs.get(), i, Py_None);
         continue;
       }
-      if (!THPVariable_CheckExact(obj)) { Py_DECREF(addrs); Py_RETURN_NONE; }
+      if (!THPVariable_CheckExact(obj)) Py_RETURN_NONE;
       const at::Tensor& t = THPVariable_Unpack(obj);
-      // The ops have no backward: the checked path refuses what autograd would record.
-      if (t.requires_grad() && at::GradMode::is_enabled()) { Py_DECREF(addrs); Py_RETURN_NONE; }
-      const int64_t nd = t.dim();
-      if (n + 6 + 2 * static_cast<size_t>(nd) > CAP) { Py_DECREF(addrs); Py_RETURN_NONE; }
-      auto sizes = t.sizes();
-      auto strides = t.strides();
-      buf[n++] = static_cast<int64_t>(t.scalar_type());
-      buf[n++] = static_cast<int64_t>(t.device().type());
-      buf[n++] = t.device().index();
-      buf[n++] = nd;
-      for (int64_t d = 0; d < nd; ++d) buf[n++] = sizes[d];
-      for (int64_t d = 0; d < nd; ++d) buf[n++] = strides[d];
-      const auto p = reinterpret_cast<uintptr_t>(t.const_data_ptr());
-      buf[n++] = (p % 16) == 0;
-      views[i] = View(p, static_cast<int64_t>(t.element_size()), sizes, strides);
-      PyObject* a = PyLong_FromUnsignedLongLong(p);
-      if (!a) { Py_DECREF(addrs); return nullptr; }
-      PyList_SET_ITEM(addrs, i, a);
+      if (!pack_tensor(t, buf, n, kKeyWords, views[i])) Py_RETURN_NONE;
+      PyObject* a = PyLong_FromUnsignedLongLong(views[i].ptr);
+      if (!a) return nullptr;
+      PyList_SET_ITEM(addrs.get(), i, a);
     }
   } catch (const std::exception&) {  // e.g. sparse or nested tensors: no strides
-    Py_DECREF(addrs);
     Py_RETURN_NONE;
   }
-  if (!disjoint(PyBytes_AS_STRING(all_args[0]), PyBytes_GET_SIZE(all_args[0]), views, nargs)) {
-    Py_DECREF(addrs);
+  if (!disjoint(PyBytes_AS_STRING(all_args[0]), PyBytes_GET_SIZE(all_args[0]), views, nargs))
     Py_RETURN_NONE;
-  }
-  PyObject* key =
-      PyBytes_FromStringAndSize(reinterpret_cast<const char*>(buf), n * sizeof(int64_t));
-  if (!key) { Py_DECREF(addrs); return nullptr; }
-  PyObject* out = PyTuple_Pack(2, key, addrs);
-  Py_DECREF(key);
-  Py_DECREF(addrs);
-  return out;
+  THPObjectPtr key(
+      PyBytes_FromStringAndSize(reinterpret_cast<const char*>(buf), n * sizeof(int64_t)));
+  if (!key) return nullptr;
+  return PyTuple_Pack(2, key.get(), addrs.get());
 }
 
 // outputs(like_1..like_n, given_1..given_n) -> (out_1..out_n, address_1..address_n): each

@@ -107,12 +107,21 @@ struct LaunchPlan {
   std::vector<size_t> varying;    // the arguments that come with each call, in call order
 };
 
+// A capsule holds a shared reference: the registered ops' table (below) may keep a plan that
+// Python has dropped.
+using PlanRef = std::shared_ptr<LaunchPlan>;
+
 void free_plan(PyObject* capsule) {
-  delete static_cast<LaunchPlan*>(PyCapsule_GetPointer(capsule, "qkrope.LaunchPlan"));
+  delete static_cast<PlanRef*>(PyCapsule_GetPointer(capsule, "qkrope.LaunchPlan"));
+}
+
+PlanRef* plan_ref(PyObject* capsule) {
+  return static_cast<PlanRef*>(PyCapsule_GetPointer(capsule, "qkrope.LaunchPlan"));
 }
 
 LaunchPlan* plan_of(PyObject* capsule) {
-  return static_cast<LaunchPlan*>(PyCapsule_GetPointer(capsule, "qkrope.LaunchPlan"));
+  PlanRef* ref = plan_ref(capsule);
+  return ref ? ref->get() : nullptr;
 }
 
 // Fills the per-call slots from args[0..nargs); false with a Python error set on a bad call.
@@ -127,6 +136,32 @@ bool fill(LaunchPlan* plan, PyObject* const* args, Py_ssize_t nargs) {
     if (!store(plan->kinds[slot], args[i], &plan->slots[slot])) return false;
   }
   return true;
+}
+
+// One cuLaunchKernel of ``plan`` with ``params`` (one pointer per kernel parameter); a thread
+// that never used CUDA gets the device's primary context made current first.
+CUresult_t launch_kernel(const LaunchPlan& plan, void* stream, void** params) {
+  const Driver& d = driver();
+  auto go = [&] {
+    return d.launch(plan.function, plan.grid[0], plan.grid[1], plan.grid[2], plan.block, 1, 1,
+                    plan.shared, stream, params, nullptr);
+  };
+  CUresult_t r = go();
+  if (r == kInvalidContext) {
+    int dev = 0;
+    void* ctx = nullptr;
+    if (d.device_get(&dev, plan.device) == kSuccess && d.ctx_retain(&ctx, dev) == kSuccess &&
+        d.ctx_set(ctx) == kSuccess)
+      r = go();
+  }
+  return r;
+}
+
+std::string launch_error(CUresult_t r) {
+  const char* msg = nullptr;
+  driver().error_string(r, &msg);
+  return std::string("cuLaunchKernel failed: ") + (msg ? msg : "?") + " (" + std::to_string(r) +
+         ")";
 }
 
 }  // namespace
@@ -203,7 +238,10 @@ static PyObject* qk_make_launch(PyObject*, PyObject* args) {
     size_t offset = 0, driver_size = 0;
     if (d.param_info(plan->function, p, &offset, &driver_size) == kSuccess) Py_RETURN_NONE;
   }
-  return PyCapsule_New(plan.release(), "qkrope.LaunchPlan", free_plan);
+  auto* ref = new PlanRef(std::move(plan));
+  PyObject* capsule = PyCapsule_New(ref, "qkrope.LaunchPlan", free_plan);
+  if (!capsule) delete ref;
+  return capsule;
 }
 
 // launch(plan, stream, *varying): one cuLaunchKernel, GIL held (a few µs; it also keeps two
@@ -224,23 +262,9 @@ static PyObject* qk_launch(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     PyErr_SetString(PyExc_RuntimeError, "libcuda.so.1 is not available");
     return nullptr;
   }
-  auto go = [&] {
-    return d.launch(plan->function, plan->grid[0], plan->grid[1], plan->grid[2], plan->block, 1,
-                    1, plan->shared, reinterpret_cast<void*>(stream), plan->params.data(),
-                    nullptr);
-  };
-  CUresult_t r = go();
-  if (r == kInvalidContext) {  // a thread that never used CUDA: make the primary context current
-    int dev = 0;
-    void* ctx = nullptr;
-    if (d.device_get(&dev, plan->device) == kSuccess && d.ctx_retain(&ctx, dev) == kSuccess &&
-        d.ctx_set(ctx) == kSuccess)
-      r = go();
-  }
+  const CUresult_t r = launch_kernel(*plan, reinterpret_cast<void*>(stream), plan->params.data());
   if (r != kSuccess) {
-    const char* msg = nullptr;
-    d.error_string(r, &msg);
-    PyErr_Format(PyExc_RuntimeError, "cuLaunchKernel failed: %s (%d)", msg ? msg : "?", r);
+    PyErr_SetString(PyExc_RuntimeError, launch_error(r).c_str());
     return nullptr;
   }
   Py_RETURN_NONE;
@@ -281,24 +305,4 @@ static PyObject* qk_overlap_ok(PyObject*, PyObject* const* args, Py_ssize_t narg
   }
   return PyBool_FromLong(disjoint(PyBytes_AS_STRING(args[0]), PyBytes_GET_SIZE(args[0]), views,
                                   nargs - 1));
-}
-
-static PyMethodDef methods[] = {
-    {"signature", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(qk_signature)),
-     METH_FASTCALL, "signature(rules, *tensors) -> (bytes, list of addresses) | None"},
-    {"overlap_ok", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(qk_overlap_ok)),
-     METH_FASTCALL, "overlap_ok(rules, *tensors) -> bool (the signature's overlap rule alone)"},
-    {"outputs", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(qk_outputs)),
-     METH_FASTCALL, "outputs(like_1..like_n, given_1..given_n) -> (out_1..out_n, int_1..int_n)"},
-    {"make_launch", qk_make_launch, METH_VARARGS,
-     "make_launch(function, gx, gy, gz, block, shared, device, kinds, values, varying"
-     "[, check_driver]) -> plan | None"},
-    {"launch", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(qk_launch)),
-     METH_FASTCALL, "launch(plan, stream, *per_call_arguments)"},
-    {"params", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(qk_params)),
-     METH_FASTCALL, "params(plan, *per_call_arguments) -> bytes"},
-    {nullptr, nullptr, 0, nullptr}};
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  if (PyModule_AddFunctions(m.ptr(), methods) < 0) throw pybind11::error_already_set();
 }

@@ -1,11 +1,12 @@
 """``torch.ops.qkrope.qknorm_rope``: the op as a PyTorch custom op, for ``torch.compile``.
 
-Its body is what every launch runs, eager or inside a compiled graph: the native fast path for
-a signature it has seen (``KernelLauncher.fast_call``: no Python checks, one ``cuLaunchKernel``),
-else the overlap check and the checked launch, which keeps a plan for that signature. Inside a
-compiled graph the arguments were checked when the graph was traced, so each call costs what
-an eager fast-path call does plus the dispatcher (docs/design.md, "Compile route"). One
-direction: public function -> checks -> this op -> the launch.
+Its body is what every eager launch runs: the native fast path for a signature it has seen
+(``KernelLauncher.fast_call``: no Python checks, one ``cuLaunchKernel``), else the overlap check
+and the checked launch, which keeps a plan for that signature. Inside a compiled graph the
+arguments were checked when the graph was traced; there the dispatcher runs the op's C++ kernel
+once the native helpers are built (``csrc/op_route.cpp``: the same plans, no Python), which
+hands a call without a plan to this body as ``qkrope::qknorm_rope_checked`` (docs/design.md,
+"Compile route"). One direction: public function -> checks -> this op -> the launch.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ def _qknorm_rope(
         check_overlap(opts.layout, (*inputs[:10], query_out, key_out), k_scale, v_scale,
                       q_scale, k_scale_cache, v_scale_cache)
         launched = launch(*inputs, query_out, key_out, rms_norm_eps, opts)
-        LAUNCHER.remember(opts, inputs, (query_out, key_out), launched, query.get_device())
+        LAUNCHER.remember(opts, inputs, (query_out, key_out), launched, query.get_device(),
+                          op_options=options)
         torch._C._increment_version(tuple(t for t in (key_cache, value_cache, k_scale_cache,
                                                       v_scale_cache, query_out, key_out)
                                           if t is not None))
@@ -75,4 +77,5 @@ def _options(key: str) -> Options:
 
 qknorm_rope = custom_op("qknorm_rope", _qknorm_rope,
                         mutates_args=("key_cache", "value_cache", "k_scale_cache",
-                                      "v_scale_cache", "query_out", "key_out"))
+                                      "v_scale_cache", "query_out", "key_out"),
+                        launcher=LAUNCHER)
