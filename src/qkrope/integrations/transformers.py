@@ -224,6 +224,11 @@ def _rotary_forward(self, x, position_ids, *args, **kwargs):
     cos, sin = self._qkrope_stock_forward(x, position_ids, *args, **kwargs)
     state = self._qkrope_state
     state["positions"] = position_ids
+    # After the stock forward's dynamic update; in fp32 once per forward, not once per layer
+    # (model.to(bf16) casts the buffer; HF upcasts it: one conversion kernel per layer was the
+    # patched model's only extra launch beside the stock one's, docs/design.md "Compile route").
+    inv_freq = self.inv_freq
+    state["inv_freq"] = inv_freq if inv_freq.dtype == torch.float32 else inv_freq.float()
     # Under torch.compile the cos would become an extra graph output: kept in eager only.
     state["cos"] = None if torch.compiler.is_compiling() else cos
     return cos, sin
@@ -400,9 +405,7 @@ def _prologue(self, plan: _Plan, query, key, value, cache):
     positions = plan.positions["positions"]
     if plan.mrope_section is not None:
         positions = positions.expand(3, -1, -1)  # as the rotary module does: [3, B, S]
-    inv_freq = plan.rotary.inv_freq
-    if inv_freq.dtype != torch.float32:  # model.to(bf16) casts the buffer; HF upcasts it
-        inv_freq = inv_freq.float()
+    inv_freq = plan.positions["inv_freq"]  # this forward's, in fp32 (_rotary_forward)
     options = dict(norm_rounding=plan.norm_rounding, norm_weight_offset=plan.norm_weight_offset,
                    rotary_dim=2 * inv_freq.shape[0],
                    cos_sin_scale=float(plan.rotary.attention_scaling),
