@@ -196,7 +196,7 @@ def test_served_op_launches_its_plans_in_cpp_and_hands_every_miss_to_its_twin(mo
     the letter, to the checked twin (the Python body)."""
     op, rules = torch.ops.qkrope_route_test.route, bytes([1, 1, 0])  # writes out; no in-place
     name = "qkrope_route_test::route"
-    assert module.route_plans(name) == -1
+    assert module.route_stats(name) is None
     assert module.serve_op(name, name + "_checked", rules, 2, 1, "CPU")
     assert not module.serve_op(name, name + "_checked", rules, 2, 1, "CPU")  # once per process
     x, out = torch.randn(16), torch.empty(16)
@@ -208,7 +208,7 @@ def test_served_op_launches_its_plans_in_cpp_and_hands_every_miss_to_its_twin(mo
                               (0, 1, 2), False)
     assert module.add_plan(name, "a", module.signature(rules, x, out)[0], plan)
     assert not module.add_plan("qkrope_route_test::nothing", "a", b"", plan)  # not served
-    assert module.route_plans(name) == 1
+    assert module.route_stats(name) == (1, 0, 1)
     version = out._version
     op(x, torch.empty(32)[::2], 1e-6, "a")  # another signature (strides)
     op(x, out, 1e-6, "b")  # other options
@@ -220,10 +220,11 @@ def test_served_op_launches_its_plans_in_cpp_and_hands_every_miss_to_its_twin(mo
     op(x, out, 0.0, "a")
     assert _ROUTE_CALLS == ["a"] * 2 + ["b", "a", "a", "a"]  # both through the plan
     assert out._version > version + 1
+    assert module.route_stats(name) == (1, 2, 6)
     module.clear_plans(name)
-    assert module.route_plans(name) == 0
     op(x, out, 1e-6, "a")
     assert _ROUTE_CALLS[-1] == "a" and len(_ROUTE_CALLS) == 7
+    assert module.route_stats(name) == (0, 2, 7)
 
 
 def test_the_op_and_its_launcher_are_set_up_for_the_native_route():

@@ -17,6 +17,7 @@ struct Route {
   std::optional<c10::OperatorHandle> checked;
   std::mutex mu;                      // guards plans
   std::unordered_map<std::string, PlanRef> plans;  // options '\0' signature -> plan
+  std::atomic<uint64_t> launched{0}, handed_on{0};  // calls through a plan / to the twin
 };
 
 constexpr size_t kMaxRoutePlans = 4096;  // as KernelLauncher.MAX_PLANS
@@ -77,6 +78,31 @@ PlanRef find_plan(Route& route, c10::ArrayRef<c10::IValue> args, uint64_t* value
   return it == route.plans.end() ? nullptr : it->second;
 }
 
+// The raw handle (cudaStream_t) of a current stream: c10::Stream::native_handle() where the
+// installed torch has it, else what Python's launchers call (torch._C._cuda_getCurrentRawStream).
+template <typename S, typename = void>
+struct HasNativeHandle : std::false_type {};
+template <typename S>
+struct HasNativeHandle<S, std::void_t<decltype(std::declval<const S&>().native_handle())>>
+    : std::true_type {};
+
+template <typename S>
+void* current_stream(const S& stream) {
+  if constexpr (HasNativeHandle<S>::value) {
+    return stream.native_handle();
+  } else {
+    pybind11::gil_scoped_acquire gil;
+    THPObjectPtr torch_c(PyImport_ImportModule("torch._C"));
+    THPObjectPtr handle(torch_c ? PyObject_CallMethod(torch_c.get(), "_cuda_getCurrentRawStream",
+                                                      "i", int(stream.device_index()))
+                                : nullptr);
+    if (!handle) throw python_error();
+    const unsigned long long raw = PyLong_AsUnsignedLongLong(handle.get());
+    if (PyErr_Occurred()) throw python_error();
+    return reinterpret_cast<void*>(raw);
+  }
+}
+
 // The plan takes the route's per-call values: pointers, then float32 scalars.
 bool matches(const LaunchPlan& plan, size_t nt, size_t ns) {
   if (plan.kinds.size() > kMaxKinds || plan.varying.size() != nt + ns) return false;
@@ -95,6 +121,7 @@ struct RouteKernel final : c10::OperatorKernel {
     PlanRef plan;
     if (route->n_scalars <= 8) plan = find_plan(*route, torch::jit::last(*stack, nargs), values);
     if (!plan || !matches(*plan, route->n_tensors, route->n_scalars)) {
+      route->handed_on.fetch_add(1, std::memory_order_relaxed);
       route->checked->callBoxed(stack);  // the Python body: checks, launch, remember
       return;
     }
@@ -111,8 +138,8 @@ struct RouteKernel final : c10::OperatorKernel {
       TORCH_CHECK(driver().ok, "qkrope: libcuda.so.1 is not available");
       const c10::Device device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(plan->device));
       c10::DeviceGuard guard(device);
-      void* stream = c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).getStream(device)
-                         .native_handle();
+      void* stream = current_stream(c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA)
+                                        .getStream(device));
       const CUresult_t r = launch_kernel(*plan, stream, params);
       TORCH_CHECK(r == kSuccess, "qkrope: ", launch_error(r));
     }
@@ -125,6 +152,7 @@ struct RouteKernel final : c10::OperatorKernel {
         torch::autograd::impl::bump_version(args[w].toTensor());
     }
     torch::jit::drop(*stack, nargs);
+    route->launched.fetch_add(1, std::memory_order_relaxed);
   }
 };
 
@@ -191,14 +219,21 @@ static PyObject* qk_add_plan(PyObject*, PyObject* args) {
   Py_RETURN_TRUE;
 }
 
-// route_plans(op) -> int: how many plans op's route holds (-1: not served).
-static PyObject* qk_route_plans(PyObject*, PyObject* args) {
+// route_stats(op) -> (plans, calls launched from a plan, calls handed to the twin), or None
+// when op is not served.
+static PyObject* qk_route_stats(PyObject*, PyObject* args) {
   const char* op;
   if (!PyArg_ParseTuple(args, "s", &op)) return nullptr;
   auto route = route_of(op);
-  if (!route) return PyLong_FromLong(-1);
-  std::lock_guard<std::mutex> g(route->mu);
-  return PyLong_FromSize_t(route->plans.size());
+  if (!route) Py_RETURN_NONE;
+  size_t plans;
+  {
+    std::lock_guard<std::mutex> g(route->mu);
+    plans = route->plans.size();
+  }
+  return Py_BuildValue("(nKK)", static_cast<Py_ssize_t>(plans),
+                       static_cast<unsigned long long>(route->launched.load()),
+                       static_cast<unsigned long long>(route->handed_on.load()));
 }
 
 // clear_plans(op=None): forget op's plans (every served op's when None): its calls take the
@@ -236,7 +271,8 @@ static PyMethodDef methods[] = {
     {"serve_op", qk_serve_op, METH_VARARGS,
      "serve_op(op, checked_op, rules, n_tensors, n_scalars[, dispatch_key]) -> bool"},
     {"add_plan", qk_add_plan, METH_VARARGS, "add_plan(op, options, signature, plan) -> bool"},
-    {"route_plans", qk_route_plans, METH_VARARGS, "route_plans(op) -> int"},
+    {"route_stats", qk_route_stats, METH_VARARGS,
+     "route_stats(op) -> (plans, launched, handed_on) | None"},
     {"clear_plans", qk_clear_plans, METH_VARARGS, "clear_plans(op=None)"},
     {nullptr, nullptr, 0, nullptr}};
 
