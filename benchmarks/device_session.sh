@@ -23,6 +23,8 @@
 #   bash benchmarks/device_session.sh verify REV # after a kernel change: tests, suite, A/B, sweep
 #   bash benchmarks/device_session.sh partial-freqs # variant partial_rotary_freqs: GPU tests, A/B on qwen3.5
 #   bash benchmarks/device_session.sh fma-division # variant fma_division: GPU tests, quantised modes A/B
+#   bash benchmarks/device_session.sh route [PRESET] # the op's C++ compile route: its GPU tests,
+#                                                  # host times, e2e_profile, e2e compile mode (~8 min)
 # What needs no GPU runs here instead: python benchmarks/compile_sm90.py (benchmarks/README.md).
 # Liger-Kernel, if wanted, travels as a wheel in .whl/ (see the device tool's README).
 set -uo pipefail
@@ -145,5 +147,13 @@ case "${1:-tests}" in
         done
       done
     done ;;
+  route) # the registered op's C++ kernel (csrc/op_route.cpp): its tests, the op's host time in a
+         # graph, what a compiled step launches, then the compiled cells of the e2e table
+    timeout 240 python3 -m pytest -q -p no:cacheprovider -n 12 tests/test_compile.py \
+      tests/test_native.py tests/test_gpu.py tests/test_transformers.py 2>&1 | tail -4
+    timeout 150 python3 benchmarks/e2e_profile.py --model "${2:-qwen3-8b}" > "$OUT/e2e-profile.md" 2>&1
+    tail -7 "$OUT/e2e-profile.md"
+    timeout 180 python3 -m qkrope bench --e2e --model "${2:-qwen3-8b}" --modes compile \
+      --json "$OUT/e2e-compile.json" 2>&1 | tee "$OUT/e2e-compile.md" | tail -9 ;;
   *) echo "unknown step $1" >&2; exit 2 ;;
 esac

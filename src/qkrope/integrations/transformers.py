@@ -225,8 +225,8 @@ def _rotary_forward(self, x, position_ids, *args, **kwargs):
     state = self._qkrope_state
     state["positions"] = position_ids
     # After the stock forward's dynamic update; in fp32 once per forward, not once per layer
-    # (model.to(bf16) casts the buffer; HF upcasts it: one conversion kernel per layer was the
-    # patched model's only extra launch beside the stock one's, docs/design.md "Compile route").
+    # (model.to(bf16) casts the buffer; HF upcasts it): an eager step launches one conversion,
+    # not one per layer (docs/design.md, "Compile route").
     inv_freq = self.inv_freq
     state["inv_freq"] = inv_freq if inv_freq.dtype == torch.float32 else inv_freq.float()
     # Under torch.compile the cos would become an extra graph output: kept in eager only.

@@ -1,0 +1,110 @@
+"""What one step of the e2e model launches, stock against patched: per step the CUDA kernels
+(count and GPU µs, by name) and, in ``torch.compile`` without CUDA graphs, the host hot spots
+(``torch.profiler``). The tool behind the compiled cells of BENCHMARKS.md's end-to-end table:
+where ``qkrope bench --e2e`` shows patched ≈ stock, this shows whether the step differs in GPU
+work (kernels the patch adds or removes) or in host time (the op's call in the graph).
+
+    python benchmarks/e2e_profile.py [--model qwen3-8b] [--cells reduce-overhead:1:decode,...]
+
+Same model, caches and steps as ``qkrope bench --e2e`` (``qkrope.bench.e2e``); GPU only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import sys
+import warnings
+
+import torch
+
+
+def _profile(stepper, first: int, n: int):
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(first, first + n):
+            stepper.step(i)
+    kernels = collections.defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            k = kernels[e.name[:80]]
+            k[0] += 1
+            k[1] += e.time_range.elapsed_us()
+    return prof, kernels
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="qwen3-8b")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--cells", default="reduce-overhead:1:decode,reduce-overhead:8:decode,"
+                   "compile:1:decode,compile:1:prefill", help="MODE:BATCH:PHASE,...")
+    p.add_argument("--top", type=int, default=12, help="kernels listed per variant")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("e2e_profile.py needs CUDA")
+        return 1
+    from qkrope.bench.e2e import PROMPT, _forward, _Stepper, build_model
+    from qkrope.integrations.transformers import patch, unpatch
+
+    warnings.simplefilter("ignore")
+    model = build_model(args.model, args.layers, "cuda")
+    rows = []
+    for cell in args.cells.split(","):
+        mode, batch, phase = cell.split(":")
+        torch.manual_seed(1)
+        stream = torch.randint(0, model.config.vocab_size,
+                               (int(batch), 512 if phase == "prefill" else PROMPT + 40),
+                               device="cuda")
+        per = {}
+        for variant in ("stock", "patched"):
+            torch._dynamo.reset()
+            (patch if variant == "patched" else unpatch)(model)
+            st = _Stepper(model, _forward(model, mode, "cuda"), stream, phase, "cuda",
+                          mode == "reduce-overhead")
+            at = (lambda i: i) if phase == "decode" else (lambda i: 0)
+            for i in range(8):
+                st.step(at(i))
+            walls = [st.step(at(i)) for i in range(8, 28)]
+            n = 5
+            prof, kernels = _profile(_StepAt(st, at), 28, n)
+            count = sum(v[0] for v in kernels.values()) / n
+            gpu = sum(v[1] for v in kernels.values()) / n
+            per[variant] = (statistics.median(walls), count, gpu)
+            print(f"\n### {args.model} {mode} batch {batch} {phase}, {variant}: "
+                  f"{statistics.median(walls):.3f} ms/step, {count:.0f} kernels, "
+                  f"GPU {gpu:.1f} µs per step\n")
+            for name, (c, t) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:args.top]:
+                print(f"- {c / n:4.1f}× {t / n:8.1f} µs `{name}`")
+            if mode == "compile" and variant == "patched":
+                print("\n```\n" + prof.key_averages().table(
+                    sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=50)
+                    + "```")
+        unpatch(model)
+        s, q = per["stock"], per["patched"]
+        rows.append(f"| {mode} | {batch} | {phase} | {s[0]:.3f} | {q[0]:.3f} | "
+                    f"{s[0] / q[0]:.3f} | {s[1]:.0f} / {q[1]:.0f} | {s[2]:.1f} / {q[2]:.1f} |")
+    print(f"\n{args.model}, {args.layers} layers, torch {torch.__version__}, "
+          f"{torch.cuda.get_device_name()}\n")
+    print("| mode | batch | phase | stock ms | patched ms | speed-up | kernels stock / patched "
+          "| GPU µs stock / patched |")
+    print("|---|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
+    return 0
+
+
+class _StepAt:
+    """A stepper whose step i is the cell's (decode: token i; prefill: always the prompt)."""
+
+    def __init__(self, stepper, at):
+        self.stepper, self.at = stepper, at
+
+    def step(self, i):
+        return self.stepper.step(self.at(i))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
