@@ -189,7 +189,7 @@ def test_scale_cache_arguments_are_checked_by_name(change, error, words):
 def test_static_and_dynamic_scales_are_exclusive_per_cache():
     args, kwargs = make(PCase(T=3, cache_dtype=FP8, seed=10))  # kwargs carry k_scale, v_scale
     kc, vc = args[4], args[5]
-    with pytest.raises(ValueError, match="k_scale is only used with a float8_e4m3fn key_out"):
+    with pytest.raises(ValueError, match="k_scale is only used with a float8_e4m3fn or float8_e5m2 key_out"):
         qkrope.fused_qk_norm_rope_paged(*args, **kwargs,
                                         k_scale_cache=torch.zeros(kc.shape[:-1], device=DEVICE))
     kwargs.pop("k_scale")

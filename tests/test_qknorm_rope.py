@@ -29,7 +29,7 @@ class PCase:
     style: str = "neox"
     rotary_dim: int | None = None
     dtype: torch.dtype = torch.bfloat16
-    cache_dtype: torch.dtype | None = None   # float8_e4m3fn for FP8 caches
+    cache_dtype: torch.dtype | None = None   # float8_e4m3fn / float8_e5m2 for FP8 caches
     per_head_scale: bool = False
     packed: bool = False                      # q/k/v as views of one [T, (Hq+2Hkv) D] tensor
     shared_kv: bool = False                   # K and V caches as views of one allocation
@@ -154,13 +154,16 @@ def check(c: PCase):
         assert torch.equal(rows(kc), k_rot[valid]), "key cache rows != key_rotated"
         assert torch.equal(rows(vc), v[valid]), "value cache rows != value"
     else:
-        # FP8: dequantise; stored values are saturate(x / scale) rounded to e4m3 (3 bits).
+        # FP8: dequantise; stored values are saturate(x / scale) rounded to e4m3 (3 mantissa
+        # bits, subnormal step 2**-9) or e5m2 (2 bits, step 2**-16): half a step off at most.
         ks, vs = kwargs["k_scale"], kwargs["v_scale"]
+        top = torch.finfo(c.cache_dtype).max
+        rel, tiny = (2**-4, 2**-10) if c.cache_dtype == torch.float8_e4m3fn else (2**-3, 2**-17)
         for cache, ref_cache, src, scale in ((kc, kc_ref, k_rot, ks), (vc, vc_ref, v, vs)):
             scale = torch.as_tensor(scale, device=DEVICE, dtype=torch.float32).reshape(-1, 1)
             deq = rows(cache).float() * scale
-            exact = (src[valid].float() / scale).clamp(-448, 448) * scale
-            assert ((deq - exact).abs() <= 2**-4 * exact.abs() + 2**-9 * scale).all()
+            exact = (src[valid].float() / scale).clamp(-top, top) * scale
+            assert ((deq - exact).abs() <= rel * exact.abs() + tiny * scale).all()
             same = (rows(cache).view(torch.uint8) == rows(ref_cache).view(torch.uint8))
             assert same.float().mean() >= 0.99
     untouched = torch.ones(n_slots, dtype=torch.bool, device=DEVICE)
@@ -187,6 +190,9 @@ PAGED_CASES = {
     "fp8_per_tensor": PCase(cache_dtype=torch.float8_e4m3fn),
     "fp8_per_head_hnd": PCase(cache_dtype=torch.float8_e4m3fn, per_head_scale=True,
                               layout="HND"),
+    "e5m2_per_tensor": PCase(cache_dtype=torch.float8_e5m2),
+    "e5m2_per_head_hnd": PCase(cache_dtype=torch.float8_e5m2, per_head_scale=True,
+                               layout="HND"),
     "yarn_cos_sin_scale": PCase(cos_sin_scale=1.1386, D=128, Hq=4, Hkv=2),
     "mrope_interleaved": PCase(mrope="interleaved", D=128, Hq=4, Hkv=2),
     "mrope_contiguous_hnd": PCase(mrope="contiguous", layout="HND"),
@@ -309,19 +315,21 @@ _SPECIAL_BF16 = (0x0000, 0x8000, 0xB8D2, 0x38D2, 0x7FC0, 0xFFC0, 0x7F80, 0xFF80,
                  0x43FA, 0x8DA2, 0x0001, 0x8001, 0x3C00, 0x3A00)
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2],
+                         ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("per_head", [False, True], ids=["per_tensor", "per_head"])
 @pytest.mark.parametrize("scale", [0.0, -0.0, -0.025, float("nan"), -float("nan"), float("inf"),
                                    1e-40, 0.025],
                          ids=["zero", "neg_zero", "negative", "nan", "neg_nan", "inf",
                               "subnormal", "normal"])
-def test_fp8_cache_bytes_match_the_oracle_for_every_scale_value(scale, per_head):
+def test_fp8_cache_bytes_match_the_oracle_for_every_scale_value(scale, per_head, dtype):
     # Without validate a scale tensor's values are not checked (that would cost a host sync):
     # whatever they hold, the cache bytes are the oracle's, bit for bit. V's rows go to the
     # cache unchanged, so they compare whole; the rotated K rows compare through the kernel's
     # own key_rotated (a flipped rounding in K would otherwise be a different byte).
     from qkrope.ops.qknorm_rope.reference import quantize
 
-    c = PCase(T=5, cache_dtype=torch.float8_e4m3fn, per_head_scale=per_head, seed=11)
+    c = PCase(T=5, cache_dtype=dtype, per_head_scale=per_head, seed=11)
     args, kwargs = make(c)
     special = torch.tensor(_SPECIAL_BF16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     v = args[2].clone()
@@ -527,6 +535,7 @@ BHSD_VARIANTS = {
     "mrope_contiguous_partial": dict(mrope="contiguous", rotary_dim=32),
     "fp8_per_head": dict(fp8="per_head"),
     "fp8_per_tensor_hf": dict(fp8="per_tensor", norm_rounding="hf"),
+    "e5m2_per_head": dict(fp8="per_head", fp8_dtype=torch.float8_e5m2),
 }
 
 
@@ -537,6 +546,7 @@ def test_bhsd_entry_point_has_every_variant(name):
     c = Case(B=2, Hq=4, Hkv=2, S=7, D=64, L=16, noncontig=True, pad_rows=(1,), seed=11)
     args = list(make_inputs(c))
     mrope, fp8 = kw.pop("mrope", None), kw.pop("fp8", None)
+    fp8_dtype = kw.pop("fp8_dtype", torch.float8_e4m3fn)
     rot = kw.get("rotary_dim") or c.D
     if rot != c.D:
         args[9] = rope_inv_freq(rot, 1e6, DEVICE)
@@ -544,7 +554,7 @@ def test_bhsd_entry_point_has_every_variant(name):
         kw.update(mrope_kwargs(mrope, rot))
         args[3] = three_streams(args[3].expand(c.B, c.S).contiguous(), None)
     if fp8:
-        args[4], args[5] = args[4].to(torch.float8_e4m3fn), args[5].to(torch.float8_e4m3fn)
+        args[4], args[5] = args[4].to(fp8_dtype), args[5].to(fp8_dtype)
         kw.update(k_scale=0.03 if fp8 == "per_tensor" else torch.tensor([0.02, 0.04],
                                                                           device=DEVICE),
                   v_scale=0.015)

@@ -18,7 +18,9 @@ from ..suite import ModelGeometry, Workload, bytes_moved
 
 __all__ = ["Quant", "add_arguments", "QUANT_IMPLS"]
 
-FP8 = torch.float8_e4m3fn
+#: The quantised dtypes by option name (fp8: e4m3, the serving default; fp8-e5m2: vLLM's
+#: kv_cache_dtype="fp8_e5m2", per-tensor scales only).
+DTYPES = {"fp8": torch.float8_e4m3fn, "fp8-e5m2": torch.float8_e5m2, "int8": torch.int8}
 #: Per-tensor scale of K, V and Q in these runs: 448 x 1/64 = 7 covers the rotated rows of the
 #: random inputs (RMS ~1, weights 1 +- 0.5) and V ~ N(0, 1) but for rare saturated elements.
 SCALE = 1.0 / 64
@@ -28,9 +30,9 @@ QUANT_IMPLS = ("qkrope", "eager", "torch.compile")
 
 @dataclasses.dataclass(frozen=True)
 class Quant:
-    kv_dtype: str = "bf16"         # "bf16" (the activations' dtype), "fp8" or "int8"
+    kv_dtype: str = "bf16"         # "bf16" (the activations' dtype) or a key of DTYPES
     kv_scales: str = "tensor"      # "tensor" (k_scale / v_scale) or "per-token-head"
-    q_out: str = "bf16"            # "bf16" (the activations' dtype) or "fp8"
+    q_out: str = "bf16"            # "bf16" (the activations' dtype), "fp8" or "fp8-e5m2"
 
     @classmethod
     def from_args(cls, args) -> Quant:
@@ -38,6 +40,9 @@ class Quant:
         q = cls(args.kv_dtype, args.kv_scales, args.q_out)
         if q.kv_scales == "per-token-head" and q.kv_dtype == "bf16":
             raise ValueError("--kv-scales per-token-head needs --kv-dtype fp8 or int8")
+        if q.kv_dtype == "fp8-e5m2" and q.kv_scales == "per-token-head":
+            raise ValueError("--kv-scales per-token-head needs --kv-dtype fp8 (e4m3) or int8, "
+                             "as vLLM's fp8/int8_per_token_head")
         if q.kv_dtype == "int8" and q.kv_scales != "per-token-head":
             raise ValueError("--kv-dtype int8 needs --kv-scales per-token-head (int8 caches "
                              "take per-token-head scales only)")
@@ -45,7 +50,7 @@ class Quant:
 
     @property
     def active(self) -> bool:
-        return self.kv_dtype != "bf16" or self.q_out == "fp8"
+        return self.kv_dtype != "bf16" or self.q_out != "bf16"
 
     def describe(self) -> str:
         if not self.active:
@@ -53,7 +58,7 @@ class Quant:
         kv = (f"{self.kv_dtype.upper()} caches, "
               f"{'per-token-head' if self.per_token_head else 'per-tensor'} scales"
               if self.kv_dtype != "bf16" else "bf16 caches")
-        return f"{kv}, {'FP8' if self.q_out == 'fp8' else 'bf16'} query output"
+        return f"{kv}, {'bf16' if self.q_out == 'bf16' else self.q_out.upper()} query output"
 
     @property
     def per_token_head(self) -> bool:
@@ -64,7 +69,7 @@ class Quant:
         rows cast)."""
         if self.kv_dtype == "bf16":
             return args
-        dtype = FP8 if self.kv_dtype == "fp8" else torch.int8
+        dtype = DTYPES[self.kv_dtype]
         return (*args[:4], args[4].to(dtype), args[5].to(dtype), *args[6:])
 
     def call_kwargs(self, args: tuple) -> dict:
@@ -77,15 +82,16 @@ class Quant:
                           v_scale_cache=args[5].new_zeros(args[5].shape[:-1], dtype=f32))
             else:
                 kw.update(k_scale=SCALE, v_scale=SCALE)
-        if self.q_out == "fp8":
-            kw.update(q_scale=SCALE, query_out=torch.empty(args[0].shape, dtype=FP8,
+        if self.q_out != "bf16":
+            kw.update(q_scale=SCALE, query_out=torch.empty(args[0].shape,
+                                                           dtype=DTYPES[self.q_out],
                                                            device=args[0].device))
         return kw
 
     def dequantize(self, outputs: tuple, kw: dict) -> tuple:
         """The four outputs as float32, FP8 ones times their scales."""
         q, k, kc, vc = outputs
-        if self.q_out == "fp8":
+        if self.q_out != "bf16":
             q = q.float() * SCALE
         if self.kv_dtype != "bf16":
             if self.per_token_head:
@@ -97,7 +103,7 @@ class Quant:
 
     def bytes_moved(self, workload: Workload, geometry: ModelGeometry) -> int:
         """The op's DRAM traffic in this mode (:func:`qkrope.suite.bytes_moved`)."""
-        return bytes_moved(workload, geometry, q_out_bytes=1 if self.q_out == "fp8" else None,
+        return bytes_moved(workload, geometry, q_out_bytes=1 if self.q_out != "bf16" else None,
                            cache_bytes=1 if self.kv_dtype != "bf16" else None,
                            row_scale_bytes=4 if self.per_token_head else 0)
 
@@ -108,11 +114,13 @@ def add_arguments(parser) -> None:
         "quantised modes", f"FP8 caches and query output (qkrope, and the oracles as eager and "
         f"torch.compile; per-tensor scales 1/{1 / SCALE:g}); correctness on the dequantised "
         "outputs against the oracle in the same mode")
-    g.add_argument("--kv-dtype", choices=("bf16", "fp8", "int8"), default="bf16",
-                   help="cache dtype: bf16 (the activations', default), float8_e4m3fn, or int8 "
-                        "(with --kv-scales per-token-head)")
+    g.add_argument("--kv-dtype", choices=("bf16", *DTYPES), default="bf16",
+                   help="cache dtype: bf16 (the activations', default), fp8 (float8_e4m3fn), "
+                        "fp8-e5m2 (float8_e5m2, per-tensor scales), or int8 (with --kv-scales "
+                        "per-token-head)")
     g.add_argument("--kv-scales", choices=("tensor", "per-token-head"), default="tensor",
                    help="cache scales: one per tensor (k_scale/v_scale, default) or one per "
                         "written row and head, computed by the op (vLLM's fp8/int8_per_token_head)")
-    g.add_argument("--q-out", choices=("bf16", "fp8"), default="bf16",
-                   help="query output dtype: bf16 (default) or float8_e4m3fn with q_scale")
+    g.add_argument("--q-out", choices=("bf16", "fp8", "fp8-e5m2"), default="bf16",
+                   help="query output dtype: bf16 (default), fp8 (float8_e4m3fn) or fp8-e5m2 "
+                        "(float8_e5m2), with q_scale")

@@ -72,8 +72,8 @@ def fused_rope_with_qk_norm_and_kv_cache_update(
         position_ids: [B, S] int32/int64 rotary positions; [1, S] and expanded views (batch
             stride 0) are accepted. With ``mrope_section``: [3, B, S] (or [3, 1, S]), the
             temporal, height and width position streams.
-        key_cache, value_cache: [B, Hkv, L, D], dtype of ``query`` or ``float8_e4m3fn``,
-            identical shapes.
+        key_cache, value_cache: [B, Hkv, L, D], dtype of ``query``, ``float8_e4m3fn`` or
+            ``float8_e5m2`` (per-tensor / per-head scales), identical shapes.
         cache_position: [S] int32/int64, the cache row each token's K/V goes to (same for every
             batch element). Rows outside ``[0, L)`` are skipped: -1 is the usual padding marker.
             If two tokens name the same row, each element of that row ends up holding the value
@@ -86,8 +86,9 @@ def fused_rope_with_qk_norm_and_kv_cache_update(
             those same tensors: one launch, no cache copy. False leaves them untouched and returns
             fresh copies with the rows written (costs a full copy of both caches).
         query_out, key_out: optional preallocated outputs ([B, Hq, S, D] / [B, Hkv, S, D], any
-            strides) for allocation-free calls (CUDA graphs), of ``query``'s dtype or
-            ``float8_e4m3fn`` (quantised output, with ``q_scale`` / ``k_scale``). ``query_out``
+            strides) for allocation-free calls (CUDA graphs), of ``query``'s dtype,
+            ``float8_e4m3fn`` or ``float8_e5m2`` (quantised output, with ``q_scale`` /
+            ``k_scale``). ``query_out``
             may be ``query`` itself (and ``key_out`` ``key``); no other overlap is allowed.
         validate: also raise ``ValueError`` when ``cache_position`` leaves ``[0, L)`` or an FP8
             scale tensor holds a value that is not finite and > 0 (costs a host sync, so it is
@@ -111,8 +112,9 @@ def fused_rope_with_qk_norm_and_kv_cache_update(
         k_scale, v_scale: the scales of FP8 K (an FP8 ``key_cache`` and/or ``key_out``) and
             of an FP8 ``value_cache``, required there and refused elsewhere: Python float, or
             float32 tensor of 1 (per tensor) or Hkv (per head) elements. Stored value =
-            saturate(x / scale) to +-448 from the rotated row in the activation dtype, nearest
-            even, NaN kept (vLLM's convention); read back as stored * scale.
+            saturate(x / scale) to +-448 (e4m3) or +-57344 (e5m2) from the rotated row in the
+            activation dtype, nearest even, NaN kept (vLLM's convention); read back as
+            stored * scale.
         q_scale: the scale of an FP8 ``query_out`` (1 or Hq elements), as ``k_scale``.
         k_scale_cache, v_scale_cache: per-token-head dynamic scales of an FP8 ``key_cache`` /
             ``value_cache`` instead of ``k_scale`` / ``v_scale`` (vLLM's
@@ -194,8 +196,8 @@ def fused_qk_norm_rope_paged(
         positions: [T] int32/int64 rotary position of each token (sequences may sit anywhere);
             [3, T] with ``mrope_section``.
         key_cache, value_cache: paged caches, ``cache_layout="NHD"``: [num_blocks, block_size,
-            Hkv, D]; ``"HND"``: [num_blocks, Hkv, block_size, D]; dtype of ``query`` or
-            ``torch.float8_e4m3fn``; any strides: separate tensors or views of one allocation
+            Hkv, D]; ``"HND"``: [num_blocks, Hkv, block_size, D]; dtype of ``query``,
+            ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``; any strides: separate tensors or views of one allocation
             (e.g. vLLM's packed [num_blocks, Hkv, block_size, 2 D], K and V its two halves). A
             contiguous per-sequence cache [B, Hkv, L, D] is ``"HND"`` with block_size L: slot
             ``b * L + row``.
@@ -207,7 +209,8 @@ def fused_qk_norm_rope_paged(
             :func:`fused_rope_with_qk_norm_and_kv_cache_update`.
         cache_layout: ``"NHD"`` (vLLM's default) or ``"HND"``.
         query_out, key_out: optional preallocated outputs of the input shapes, of the input
-            dtype or ``float8_e4m3fn`` (with ``q_scale`` / ``k_scale``); ``query_out`` may be
+            dtype, ``float8_e4m3fn`` or ``float8_e5m2`` (with ``q_scale`` / ``k_scale``);
+            ``query_out`` may be
             ``query`` itself (and ``key_out`` ``key``); no other overlap is allowed.
         validate: also raise ``ValueError`` for a slot outside the cache or a bad FP8 scale
             value (a host sync).

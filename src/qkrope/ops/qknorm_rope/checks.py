@@ -28,7 +28,8 @@ __all__ = ["HEAD_DIMS", "ACTIVATION_DTYPES", "FP8_CACHE_DTYPES", "INDEX_DTYPES",
 
 HEAD_DIMS = (64, 128, 256, 512)
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16)
-FP8_CACHE_DTYPES = (torch.float8_e4m3fn,)
+FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_FP8 = "float8_e4m3fn or float8_e5m2"
 #: Cache dtypes of the per-token-head mode (k_scale_cache / v_scale_cache): vLLM's
 #: fp8_per_token_head and int8_per_token_head.
 TOKEN_HEAD_DTYPES = (torch.float8_e4m3fn, torch.int8)
@@ -181,11 +182,11 @@ def scale_tensor(name: str, scale, users: dict, heads: int, heads_name: str):
             dynamic = [n for n, t in users.items() if t is None]
             here = (f" here ({' and '.join(dynamic)} takes per-token-head scales)"
                     if dynamic else "")
-            raise ValueError(f"{name} is only used with a float8_e4m3fn "
+            raise ValueError(f"{name} is only used with a {_FP8} "
                              f"{' or '.join(given)}{here}, got {got}")
         return None
     if scale is None:
-        raise ValueError(f"{name} is required for a float8_e4m3fn {' and '.join(fp8)} (stored "
+        raise ValueError(f"{name} is required for a {_FP8} {' and '.join(fp8)} (stored "
                          f"= saturate(x / {name}))")
     if isinstance(scale, numbers.Real) and not isinstance(scale, bool):
         if not (math.isfinite(scale) and scale > 0):
@@ -350,14 +351,14 @@ def check_paged(query, key, value, positions, key_cache, value_cache, slot_mappi
 
 def check_out(name: str, out, like: torch.Tensor) -> None:
     """A caller's ``query_out`` / ``key_out``: a tensor of ``like``'s shape and device, of its
-    dtype or float8_e4m3fn (quantised output: its scale is checked with the scales)."""
+    dtype or FP8 (quantised output: its scale is checked with the scales)."""
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor or None, got {type(out).__name__}")
     if tuple(out.shape) != tuple(like.shape):
         raise ValueError(f"{name} must have shape {list(like.shape)}, got {list(out.shape)}")
     if out.dtype != like.dtype and out.dtype not in FP8_CACHE_DTYPES:
-        raise TypeError(f"{name} must be {dtype_name(like.dtype)} or float8_e4m3fn, got "
-                        f"{dtype_name(out.dtype)}")
+        raise TypeError(f"{name} must be {dtype_name(like.dtype)}, float8_e4m3fn or "
+                        f"float8_e5m2, got {dtype_name(out.dtype)}")
     if out.device != like.device:
         raise ValueError(f"{name} must be on {like.device}, got {out.device}")
 

@@ -1,4 +1,4 @@
-"""Triton helpers of the kernel's quantised stores: FP8 (e4m3) and INT8 codes, and the
+"""Triton helpers of the kernel's quantised stores: FP8 (e4m3, e5m2) and INT8 codes, and the
 per-token-head scale of a written row (docs/design.md, "FP8 stores", "Per-token-head
 scales"). Every division is IEEE (``div_rn``) and fp fusion is off at launch, so each value
 is the one the oracle (``reference.quantize``, ``reference.quantize_token_head``) computes.
@@ -31,14 +31,37 @@ def _round_e4m3(v):
 
 
 @triton.jit
+def _round_e5m2(v):
+    """Round fp32 to the float8_e5m2 grid (nearest even) in fp32 arithmetic, for the
+    interpreter: 2 mantissa bits for normals, steps of 2**-16 below 2**-14 (ulp(192) is
+    2**-16); the sign kept as in :func:`_round_e4m3`."""
+    bits = v.to(tl.uint32, bitcast=True)
+    sign = bits & 0x80000000
+    bits = (bits + 0xFFFFF + ((bits >> 21) & 1)) & 0xFFE00000
+    normal = bits.to(tl.float32, bitcast=True)
+    magnitude = (tl.abs(v) + 192.0) - 192.0
+    subnormal = (magnitude.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    return tl.where(tl.abs(v) < 0.00006103515625, subnormal, normal)
+
+
+@triton.jit
 def _store_fp8(out_ptr, off, v, mask, INTERPRETER: tl.constexpr):
-    """Store fp32 ``v`` as e4m3: saturated to +-448, nearest even, NaN stored as NaN (a clamp
-    alone would turn an upstream NaN into in-range data)."""
-    clamped = tl.minimum(tl.maximum(v, -448.0), 448.0)
+    """Store fp32 ``v`` as the FP8 dtype of ``out_ptr``: saturated to +-448 (e4m3) or
+    +-57344 (e5m2: no inf is stored, as vLLM's saturating conversion), nearest even, NaN stored
+    as NaN (a clamp alone would turn an upstream NaN into in-range data)."""
     FP8 = out_ptr.dtype.element_ty
+    if FP8 == tl.float8e5:
+        clamped = tl.minimum(tl.maximum(v, -57344.0), 57344.0)
+    else:
+        clamped = tl.minimum(tl.maximum(v, -448.0), 448.0)
     if INTERPRETER:
-        # The interpreter's cast turns NaN into 384: set NaN's bits (0x7F) directly.
-        bits = _round_e4m3(clamped).to(FP8).to(tl.uint8, bitcast=True)
+        # The interpreter's cast turns NaN into a number: set NaN's bits (0x7F, either dtype's
+        # positive NaN) directly.
+        if FP8 == tl.float8e5:
+            rounded = _round_e5m2(clamped)
+        else:
+            rounded = _round_e4m3(clamped)
+        bits = rounded.to(FP8).to(tl.uint8, bitcast=True)
         stored = tl.where(v != v, 0x7F, bits).to(tl.uint8).to(FP8, bitcast=True)
     else:
         stored = tl.where(v != v, v, clamped).to(FP8)

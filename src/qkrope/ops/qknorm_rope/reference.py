@@ -17,10 +17,10 @@ happens below):
 - R3 rotation: every product and each sum is one eager op in the activation dtype, so rounded
   (HF's ``q * cos + rotate_half(q) * sin``).
 - R4 FP8 caches and FP8 query/key outputs: ``saturate(x / scale)`` of the rotated row in the
-  activation dtype (R3's result), in fp32, to +-448, rounded to e4m3 (nearest even, the sign of
-  zero kept); NaN, from the data or the scale, is stored as the one NaN code 0x7F, as
-  the GPU's conversion does (torch's cast keeps a NaN's sign: 0xFF for a negative NaN, which
-  ``0 / 0`` is on x86).
+  activation dtype (R3's result), in fp32, to +-448 and rounded to e4m3, or to +-57344 and
+  rounded to e5m2 (nearest even, the sign of zero kept; e5m2 stores no inf); NaN, from the
+  data or the scale, is stored as the one NaN code 0x7F, as the GPU's conversion does
+  (torch's cast keeps a NaN's sign: 0xFF for a negative NaN, which ``0 / 0`` is on x86).
 - R5 per-token-head FP8 / INT8 caches (``k_scale_cache`` / ``v_scale_cache``): per written
   row, ``s = max(amax(|x|) / Q, 1e-6)`` over its D elements (NaN not counted; Q 448 or 127),
   stored ``saturate(x * (1 / s))`` (FP8 as R4; INT8 rounded half away from zero), and ``s``
@@ -37,8 +37,8 @@ import torch
 __all__ = ["qknorm_rope_cache_ref", "qknorm_rope_paged_ref", "rms_norm_ref", "rope_angles_ref",
            "cos_sin_ref", "rotate_ref", "qk_rotated_fp64", "quantize", "quantize_token_head"]
 
-_FP8_MAX = {torch.float8_e4m3fn: 448.0}
-_FP8_NAN = 0x7F  # float8_e4m3fn's positive NaN: the code the kernel stores for every NaN
+_FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+_FP8_NAN = 0x7F  # the positive NaN of either FP8 dtype: the code the kernel stores for every NaN
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -91,8 +91,9 @@ def rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim
     return torch.cat((out, tail), dim=-1)
 
 
-def _e4m3(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """fp32 ``q`` saturated to +-448 and rounded to e4m3 (nearest even); NaN as 0x7F."""
+def _fp8(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 ``q`` saturated to the FP8 dtype's largest finite value (e4m3 448, e5m2 57344) and
+    rounded to it (nearest even); NaN as 0x7F."""
     lim = _FP8_MAX[dtype]
     stored = torch.where(q.isnan(), q, q.clamp(-lim, lim)).to(dtype)
     return torch.where(q.isnan(), _FP8_NAN, stored.view(torch.uint8)).view(dtype)
@@ -106,7 +107,7 @@ def quantize(rows: torch.Tensor, cache_dtype: torch.dtype, scale, head_dim_axis:
             shape = [1] * rows.dim()
             shape[head_dim_axis] = -1
             scale = scale.view(shape)
-        return _e4m3(rows.float() / scale, cache_dtype)
+        return _fp8(rows.float() / scale, cache_dtype)
     return rows.to(cache_dtype)
 
 
@@ -136,7 +137,7 @@ def quantize_token_head(rows: torch.Tensor, cache_dtype: torch.dtype):
         codes = torch.where(y.isnan(), 0.0, z).trunc().to(torch.int8)
         return codes, torch.where(x.isnan().any(-1), float("nan"), scales)
     scales = torch.clamp_min(_div(amax, _FP8_MAX[cache_dtype]), 1e-6)
-    return _e4m3(x * _div(1.0, scales)[..., None], cache_dtype), scales
+    return _fp8(x * _div(1.0, scales)[..., None], cache_dtype), scales
 
 
 def _into(rotated, out, scale):
