@@ -47,7 +47,8 @@ from qkrope.suite import MODELS, ModelGeometry, make_inputs, make_paged_inputs  
 TARGET = GPUTarget("cuda", 90, 32)  # what Triton's driver reports for an H100/H200
 
 #: name -> (Options fields, quantised outputs, head_dim or None): the kernel's constexpr
-#: features. Quantised: "fp8" (FP8 caches, per-head scales), "fp8-pth-q8" (FP8 caches with
+#: features. Quantised: "fp8" (FP8 caches, per-head scales; "fp8-e5m2" the same in e5m2),
+#: "fp8-pth-q8" (FP8 caches with
 #: per-token-head scale caches, FP8 query out), "int8-pth" (INT8 per-token-head caches).
 FEATURES = {
     "default": ({}, None, None),
@@ -57,6 +58,7 @@ FEATURES = {
     "offset": ({"norm_weight_offset": 1.0}, None, None),
     "mrope": ({"mrope_section": (24, 20, 20), "mrope_interleaved": True}, None, None),
     "fp8": ({}, "fp8", None),
+    "fp8-e5m2": ({}, "fp8-e5m2", None),
     "fp8-pth-q8": ({}, "fp8-pth-q8", None),
     "int8-pth": ({}, "int8-pth", None),
     "d64": ({}, None, 64),
@@ -81,10 +83,11 @@ def captured_launch(row, feature: str, config, num_sms: int, kernel):
         args[3] = torch.empty(3, *args[3].shape, dtype=args[3].dtype, device="meta")
     scales, q_out = (None, None, None, None, None), torch.empty_like(args[0])
     if quant is not None:
-        dtype = torch.int8 if quant.startswith("int8") else torch.float8_e4m3fn
+        dtype = {"int8-pth": torch.int8, "fp8-e5m2": torch.float8_e5m2}.get(
+            quant, torch.float8_e4m3fn)
         args[4], args[5] = args[4].to(dtype), args[5].to(dtype)
         Hkv = args[1].shape[1]  # key: [B, Hkv, S, D] or [T, Hkv, D]
-        if quant == "fp8":
+        if quant in ("fp8", "fp8-e5m2"):
             scales = (*(torch.empty(Hkv, dtype=torch.float32, device="meta") for _ in "kv"),
                       None, None, None)
         else:
