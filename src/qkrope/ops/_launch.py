@@ -13,6 +13,8 @@ Two routes, no more:
   same signature skips both: its tensors are read, its outputs allocated and the kernel
   launched (``cuLaunchKernel``) by three C++ calls. Only the parameters an op declares per
   call, by name (:class:`KernelLauncher`), change between such launches.
+  Inside a compiled graph the same plans are launched by the registered op's C++ kernel
+  (``csrc/op_route.cpp``, :meth:`KernelLauncher.serve`), under the same key.
 
 The native route reads Triton's compiled-kernel object, so it is used only on Triton versions
 it was verified on (:data:`VERIFIED_TRITON`); elsewhere every call takes Triton's public launch
