@@ -14,34 +14,27 @@ _max_combine = getattr(tl.standard, "_elementwise_max", tl.maximum)
 
 
 @triton.jit
-def _round_e4m3(v):
-    """Round fp32 to the float8_e4m3fn grid (nearest even) in fp32 arithmetic, for the
-    interpreter, whose fp32->fp8 cast truncates: 3 mantissa bits for normals, steps of 2**-9
-    below 2**-6 (the adds round at that step; fp fusion is off). The sign is kept, also where
-    a value rounds to zero (-0, as the GPU's conversion and torch's cast store it)."""
+def _round_fp8(v, E5M2: tl.constexpr):
+    """Round fp32 to the float8_e4m3fn grid (float8_e5m2 with ``E5M2``), nearest even, in fp32
+    arithmetic, for the interpreter, whose fp32->fp8 cast truncates: 3 (e5m2: 2) mantissa bits
+    for normals; below the smallest normal, 2**-6 (2**-14), steps of 2**-9 (2**-16), rounded by
+    adding and subtracting a constant whose ulp is that step (24576, 192; fp fusion is off).
+    The sign is kept, also where a value rounds to zero (-0, as the GPU's conversion and torch's
+    cast store it): the magnitude is rounded, then the sign put back ((v + c) - c would give +0
+    for every negative v that rounds to zero)."""
     bits = v.to(tl.uint32, bitcast=True)
     sign = bits & 0x80000000
-    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000
+    if E5M2:
+        bits = (bits + 0xFFFFF + ((bits >> 21) & 1)) & 0xFFE00000
+        magnitude = (tl.abs(v) + 192.0) - 192.0
+        tiny = tl.abs(v) < 0.00006103515625
+    else:
+        bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000
+        magnitude = (tl.abs(v) + 24576.0) - 24576.0
+        tiny = tl.abs(v) < 0.015625
     normal = bits.to(tl.float32, bitcast=True)
-    # The magnitude rounded, then the sign put back: (v + 24576) - 24576 would give +0 for
-    # every negative v that rounds to zero.
-    magnitude = (tl.abs(v) + 24576.0) - 24576.0
     subnormal = (magnitude.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-    return tl.where(tl.abs(v) < 0.015625, subnormal, normal)
-
-
-@triton.jit
-def _round_e5m2(v):
-    """Round fp32 to the float8_e5m2 grid (nearest even) in fp32 arithmetic, for the
-    interpreter: 2 mantissa bits for normals, steps of 2**-16 below 2**-14 (ulp(192) is
-    2**-16); the sign kept as in :func:`_round_e4m3`."""
-    bits = v.to(tl.uint32, bitcast=True)
-    sign = bits & 0x80000000
-    bits = (bits + 0xFFFFF + ((bits >> 21) & 1)) & 0xFFE00000
-    normal = bits.to(tl.float32, bitcast=True)
-    magnitude = (tl.abs(v) + 192.0) - 192.0
-    subnormal = (magnitude.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-    return tl.where(tl.abs(v) < 0.00006103515625, subnormal, normal)
+    return tl.where(tiny, subnormal, normal)
 
 
 @triton.jit
@@ -50,18 +43,15 @@ def _store_fp8(out_ptr, off, v, mask, INTERPRETER: tl.constexpr):
     +-57344 (e5m2: no inf is stored, as vLLM's saturating conversion), nearest even, NaN stored
     as NaN (a clamp alone would turn an upstream NaN into in-range data)."""
     FP8 = out_ptr.dtype.element_ty
-    if FP8 == tl.float8e5:
+    E5M2: tl.constexpr = FP8 == tl.float8e5
+    if E5M2:
         clamped = tl.minimum(tl.maximum(v, -57344.0), 57344.0)
     else:
         clamped = tl.minimum(tl.maximum(v, -448.0), 448.0)
     if INTERPRETER:
         # The interpreter's cast turns NaN into a number: set NaN's bits (0x7F, either dtype's
         # positive NaN) directly.
-        if FP8 == tl.float8e5:
-            rounded = _round_e5m2(clamped)
-        else:
-            rounded = _round_e4m3(clamped)
-        bits = rounded.to(FP8).to(tl.uint8, bitcast=True)
+        bits = _round_fp8(clamped, E5M2).to(FP8).to(tl.uint8, bitcast=True)
         stored = tl.where(v != v, 0x7F, bits).to(tl.uint8).to(FP8, bitcast=True)
     else:
         stored = tl.where(v != v, v, clamped).to(FP8)
