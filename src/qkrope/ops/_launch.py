@@ -77,7 +77,8 @@ def route() -> tuple[str, str]:
         return "triton", "a Triton launch hook (e.g. its profiler) is installed"
     status = _native.status()
     if status == "native":
-        return "native", "the native helpers are built and loaded"
+        return "native", ("the native helpers are built and loaded (eager calls, and the op inside "
+                          "compiled graphs, launch known signatures from C++)")
     return "triton", status
 
 
