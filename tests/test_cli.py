@@ -496,3 +496,23 @@ def test_e2e_usage_errors(capsys):
                        (["--layout", "paged"], "do not apply")):
         rc, _, err = run(["bench", "--e2e", *argv], capsys)
         assert rc == 2 and what in err
+
+
+def test_e2e_speedup_interval_brackets_the_ratio_and_widens_with_noise():
+    import random
+    import statistics
+
+    from qkrope.bench.e2e import speedup_interval
+
+    rng = random.Random(1)
+    drift = [1 + 0.3 * (i / 40) for i in range(40)]  # the machine slows down: both variants
+    stock = [2.0 * d * (1 + 0.01 * rng.random()) for d in drift]
+    patched = [1.6 * d * (1 + 0.01 * rng.random()) for d in drift]
+    lo, hi = speedup_interval(stock, patched)
+    point = statistics.median(stock) / statistics.median(patched)
+    assert lo <= point <= hi and 1.2 < lo and hi < 1.3
+    noisy = [p * (1 + 0.2 * rng.random()) for p in patched]
+    lo2, hi2 = speedup_interval(stock, noisy)
+    assert hi2 - lo2 > hi - lo
+    assert speedup_interval(stock, stock) == (1.0, 1.0)
+    assert speedup_interval([1.0, 2.0], [1.0, 2.0]) is None  # too few pairs to resample

@@ -8,7 +8,9 @@ sequence after a prompt) and a prefill of ``prefill_len`` tokens, in four modes:
 Each figure is wall time per step with the device synchronised, so host time counts.
 
 Stock and patched run interleaved, step by step, each with its own cache, so a drift of the
-machine's speed hits both alike.
+machine's speed hits both alike. Beside each speed-up (the ratio of the median times), a 95%
+interval from resampling those step pairs (:func:`speedup_interval`): a cell whose interval
+holds 1.0 is a tie within this run's noise.
 
 Correctness: random weights give near-ties, so greedy tokens alone prove nothing. Both
 variants are fed the same fixed token stream (teacher forcing) and their last logits are
@@ -64,6 +66,8 @@ class Cell:
     mode: str
     stock_ms: float | None = None
     patched_ms: float | None = None
+    # 95% interval of the speed-up: the ratio of medians over resampled step pairs
+    speedup_interval: tuple[float, float] | None = None
     stock_dev: float | None = None     # max |logit - stock eager logit| of the stock model
     patched_dev: float | None = None   # ... of the patched model
     allowed_dev: float | None = None   # what the patched model may deviate
@@ -205,6 +209,24 @@ def _generate(model, prompt, device: str, compiled: bool, n: int):
             out.sequences[:, prompt.shape[1]].clone())
 
 
+def speedup_interval(stock: Sequence[float], patched: Sequence[float], resamples: int = 2000,
+                     level: float = 0.95) -> tuple[float, float] | None:
+    """Percentile bootstrap interval of ``median(stock) / median(patched)``. The i-th times of
+    both variants ran back to back (a step each, or a round of generate()), so pairs are
+    resampled together: a drift of the machine's speed moves both. None under 3 pairs."""
+    import random
+
+    n = min(len(stock), len(patched))
+    if n < 3:
+        return None
+    rng = random.Random(0)  # the same data gives the same interval
+    ratios = sorted(
+        statistics.median(stock[i] for i in idx) / statistics.median(patched[i] for i in idx)
+        for idx in ([rng.randrange(n) for _ in range(n)] for _ in range(resamples)))
+    tail = (1 - level) / 2
+    return ratios[int(tail * resamples)], ratios[min(resamples - 1, int((1 - tail) * resamples))]
+
+
 def _ulp(x: torch.Tensor) -> float:
     return float(2.0 ** (torch.floor(torch.log2(x.abs().max().clamp_min(1e-30))) - 7))
 
@@ -287,6 +309,7 @@ def _measure(model, patch_fns, cell: Cell, stream, steps, warmup, device,
         unpatch(model)
     torch._dynamo.reset()
     cell.stock_ms, cell.patched_ms = (statistics.median(times[v]) for v in variants)
+    cell.speedup_interval = speedup_interval(times["stock"], times["patched"])
     # generate(): compare the first decode step (the one compiled) where both variants chose
     # the reference's first token; where a near-tie of random weights made one choose another,
     # that step's inputs differ, so the prompt step (eager in generate) is compared instead.
@@ -339,7 +362,7 @@ def run_e2e(presets: Sequence[str], batches: Sequence[int], modes: Sequence[str]
         except Exception as e:  # noqa: BLE001 - one failing cell is reported, not fatal
             cell.error = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         if not timed:
-            cell.stock_ms = cell.patched_ms = None
+            cell.stock_ms = cell.patched_ms = cell.speedup_interval = None
         report.cells.append(cell)
         if on_update is not None:
             on_update(report)
@@ -365,6 +388,13 @@ def _f(x, fmt="{:.3f}"):
     return "—" if x is None else fmt.format(x)
 
 
+def _interval(c: Cell) -> str:
+    if c.speedup_interval is None:
+        return ""
+    lo, hi = c.speedup_interval
+    return f" ({lo:.3f}-{hi:.3f})"
+
+
 def render_e2e_markdown(report: E2EReport) -> str:
     env = report.environment
     lines = [f"End to end: {report.layers} decoder layers at each preset's width, random "
@@ -376,7 +406,7 @@ def render_e2e_markdown(report: E2EReport) -> str:
         lines += ["No CUDA device: a tiny model through Triton's interpreter, compiled with "
                   "dynamo's eager backend; correctness and graph counts only. Timing needs a "
                   "CUDA GPU.", ""]
-    lines += ["| preset | batch | phase | mode | stock ms | patched ms | speed-up | "
+    lines += ["| preset | batch | phase | mode | stock ms | patched ms | speed-up (95%) | "
               "max Δlogit stock / patched (allowed) | correct | graphs / breaks / recompiles |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     for c in report.cells:
@@ -387,7 +417,8 @@ def render_e2e_markdown(report: E2EReport) -> str:
         graphs = "—" if c.graphs is None else \
             f"{c.graphs} / {c.graph_breaks} / {c.recompiles_after_warmup}"
         lines.append(f"| {c.preset} | {c.batch} | {c.phase} | {c.mode} | {_f(c.stock_ms)} | "
-                     f"{_f(c.patched_ms)} | {_f(c.speedup, '{:.2f}×')} | {_f(c.stock_dev, '{:.3g}')}"
+                     f"{_f(c.patched_ms)} | {_f(c.speedup, '{:.2f}×')}{_interval(c)} | "
+                     f"{_f(c.stock_dev, '{:.3g}')}"
                      f" / {_f(c.patched_dev, '{:.3g}')} ({_f(c.allowed_dev, '{:.3g}')}) | "
                      f"{verdict} | {graphs} |")
     if report.op_host_us:
