@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 __all__ = ["PRESETS", "MODES", "PHASES", "E2EReport", "run_e2e", "render_e2e_markdown",
-           "write_e2e_json", "write_e2e_plot", "run_command"]
+           "speedup_interval", "write_e2e_json", "write_e2e_plot", "run_command"]
 
 VOCAB = 32000  # every preset: the lm_head is a constant of both models, kept small
 #: Attention and MLP widths of the presets (their linear-attention layers are left out: the
