@@ -440,7 +440,8 @@ def write_e2e_json(report: E2EReport, path: str | os.PathLike) -> None:
 
 
 def write_e2e_plot(report: E2EReport, path: str) -> None:
-    """Speed-up (stock ÷ patched time) per cell, one panel per preset and phase."""
+    """Speed-up (stock ÷ patched time) per cell with its 95% interval, one panel per preset
+    and phase."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -454,9 +455,16 @@ def write_e2e_plot(report: E2EReport, path: str) -> None:
         batches = sorted({c.batch for c in cells})
         width = 0.8 / max(1, len(modes))
         for k, m in enumerate(modes):
-            ys = [next((c.speedup or 0 for c in cells if c.mode == m and c.batch == b), 0)
-                  for b in batches]
-            ax.bar([i + k * width for i in range(len(batches))], ys, width, label=m)
+            got = [next((c for c in cells if c.mode == m and c.batch == b), None)
+                   for b in batches]
+            ys = [(c.speedup or 0) if c else 0 for c in got]
+            # the 95% interval as an error bar (none where the cell has none)
+            err = [[y - c.speedup_interval[0] if c and c.speedup_interval else 0 for c, y in
+                    zip(got, ys)],
+                   [c.speedup_interval[1] - y if c and c.speedup_interval else 0 for c, y in
+                    zip(got, ys)]]
+            ax.bar([i + k * width for i in range(len(batches))], ys, width, label=m, yerr=err,
+                   capsize=2, error_kw={"lw": 0.8})
         ax.axhline(1.0, color="black", lw=0.8)
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(batches))],
                       [f"B={b}" for b in batches])
