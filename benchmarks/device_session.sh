@@ -22,7 +22,8 @@
 #   bash benchmarks/device_session.sh variants REV NAME... # kernel_ab: REV, the tree, variants
 #   bash benchmarks/device_session.sh verify REV # after a kernel change: tests, suite, A/B, sweep
 #   bash benchmarks/device_session.sh partial-freqs # variant partial_rotary_freqs: GPU tests, A/B on qwen3.5
-#   bash benchmarks/device_session.sh fma-division # variant fma_division: GPU tests, quantised modes A/B
+#   bash benchmarks/device_session.sh fp8-stores # variants fma_division, satfinite_store, fp8_stores:
+#                                                  # FP8 GPU tests, static-scale FP8 modes A/B
 #   bash benchmarks/device_session.sh route [PRESET] # the op's C++ compile route: its GPU tests,
 #                                                  # host times, e2e_profile, e2e compile mode (~8 min)
 # What needs no GPU runs here instead: python benchmarks/compile_sm90.py (benchmarks/README.md).
@@ -131,19 +132,25 @@ case "${1:-tests}" in
       --tree freqs=/tmp/v/partial_rotary_freqs/src --rounds 3 --iters 40 \
       --workloads 1,2,3,4,5,8,10,12,13,p1,p2 --json "$OUT/kernel-ab-partial-freqs.json" \
       2>&1 | tee "$OUT/kernel-ab-partial-freqs.md" ;;
-  fma-division) # the open lead of docs/perf-notes.md (~5 min): the GPU tests on the variant's
-          # tree, then the static-scale FP8 modes on the tree and on the variant, alternating
-    python3 benchmarks/variants.py /tmp/v fma_division || exit 1
-    V=/tmp/v/fma_division/src${PYTHONPATH:+:$PYTHONPATH}
-    PYTHONPATH=$V timeout 240 python3 -m pytest -q tests/ -p no:cacheprovider -n 12 2>&1 | tail -3
+  fp8-stores) # the open lead of docs/perf-notes.md (~8 min): the FP8 tests on the fp8_stores
+          # variant's tree (fma_division + satfinite_store), then the static-scale FP8 modes on
+          # the tree and on each variant, alternating
+    python3 benchmarks/variants.py /tmp/v fma_division satfinite_store fp8_stores || exit 1
+    V=/tmp/v/fp8_stores/src${PYTHONPATH:+:$PYTHONPATH}
+    PYTHONPATH=$V timeout 200 python3 -m pytest -q -p no:cacheprovider -n 12 \
+      tests/test_fp8_outputs.py tests/test_per_token_head.py tests/test_qknorm_rope.py \
+      tests/test_gpu.py 2>&1 | tail -3
     for round in 1 2; do
       for mode in fp8 fp8-pth-q8; do
         f="--kv-dtype fp8"; [ $mode = fp8-pth-q8 ] && f="$f --kv-scales per-token-head --q-out fp8"
-        for tree in production variant; do
-          p=${PYTHONPATH:-}; [ $tree = variant ] && p=$V
-          PYTHONPATH=$p timeout 90 python3 -m qkrope bench --impl qkrope $f --no-graph \
-            --host-calls 200 > "$OUT/fma-$mode-$tree-$round.md" 2>&1
-          echo "round $round $mode $tree rc=$?"; grep Geometric "$OUT/fma-$mode-$tree-$round.md"
+        for tree in production fma_division satfinite_store fp8_stores; do
+          p=${PYTHONPATH:-}; [ $tree != production ] && p=/tmp/v/$tree/src${PYTHONPATH:+:$PYTHONPATH}
+          # (one summary file: the device tool returns at most 8)
+          PYTHONPATH=$p timeout 60 python3 -m qkrope bench --impl qkrope $f --no-graph \
+            --host-calls 100 > /tmp/fp8-run.md 2>&1
+          echo "round $round $mode $tree rc=$?" | tee -a "$OUT/fp8-stores.md"
+          grep -E "Geometric|^\| [0-9]" /tmp/fp8-run.md >> "$OUT/fp8-stores.md"
+          grep Geometric /tmp/fp8-run.md
         done
       done
     done ;;

@@ -95,6 +95,33 @@ _FMA_DIVISION = Edit(KERNEL, '''        _store_fp8(out_ptr, off, tl.math.div_rn(
         _store_fp8(out_ptr, off, q, mask, INTERPRETER)
 ''')
 
+# FP8 stores through the conversion's own saturation: Triton converts fp32 to e4m3 / e5m2 with
+# PTX cvt.rn.satfinite (seen in the sm_90 PTX: 16 cvt.rn.satfinite.e4m3x2.f32 on row 3), which
+# clamps +-inf and out-of-range values to the largest finite value and gives NaN the code 0x7F,
+# so on the GPU the production clamp (2 FMNMX an element) and NaN select are the conversion's
+# own work done twice. The interpreter, whose cast truncates, keeps the production store.
+_SATFINITE = Edit(KERNEL, "from .quantize import _store_codes, _store_fp8, _token_head_scale\n",
+                  '''from .quantize import _store_codes as _store_codes_checked
+from .quantize import _store_fp8 as _store_fp8_checked
+from .quantize import _token_head_scale
+
+
+@triton.jit
+def _store_fp8(out_ptr, off, v, mask, INTERPRETER: tl.constexpr):
+    if INTERPRETER:
+        _store_fp8_checked(out_ptr, off, v, mask, INTERPRETER)
+    else:
+        tl.store(out_ptr + off, v.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_codes(out_ptr, off, y, mask, INTERPRETER: tl.constexpr):
+    if out_ptr.dtype.element_ty == tl.int8:
+        _store_codes_checked(out_ptr, off, y, mask, INTERPRETER)
+    else:
+        _store_fp8(out_ptr, off, y, mask, INTERPRETER)
+''')
+
 #: name -> (what it probes, edits).
 VARIANTS: dict[str, tuple[str, list[Edit]]] = {
     "skeleton": ("loads and stores only, no norm, rotation or trig: a lower bound for this "
@@ -111,6 +138,11 @@ VARIANTS: dict[str, tuple[str, list[Edit]]] = {
     "fma_division": ("static FP8 scales: reciprocal per head + one FMA correction per element "
                      "instead of div_rn (exact on the checked inputs; a candidate)",
                      [_FMA_DIVISION]),
+    "satfinite_store": ("FP8 stores left to the conversion's saturation and NaN code, no clamp "
+                        "or select on the GPU (exact per PTX's cvt.satfinite; a candidate)",
+                        [_SATFINITE]),
+    "fp8_stores": ("fma_division and satfinite_store together (a candidate)",
+                   [_FMA_DIVISION, _SATFINITE]),
 }
 
 

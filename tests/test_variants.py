@@ -75,3 +75,19 @@ def test_fma_division_gives_the_ieee_quotients_e4m3_codes():
     check.variant_quotient = lambda x, s: (x.astype(check.F64) * check.F64(
         check.F32(1.0 / check.F64(s)))).astype(check.F32)
     assert check.main(["--scales", "40"]) == 1
+
+
+def test_fp8_store_candidates_import_and_run_in_the_interpreter(tmp_path):
+    """``satfinite_store`` (and ``fp8_stores``, with ``fma_division``) re-route the kernel's FP8
+    stores through names of its own: the patched tree must import and give the production
+    bytes in the interpreter, which keeps the checked store (their GPU branch is what the device
+    step fp8-stores tests and times)."""
+    assert make_trees(tmp_path, "fp8_stores").returncode == 0
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "fp8_stores" / "src"))
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
+         *(str(ROOT / "tests" / f) for f in ("test_fp8_outputs.py", "test_per_token_head.py")),
+         "-k", "rotated_rows_quantised and bhsd or zero_nan_inf or int8 and matches"],
+        capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+    tail = out.stdout[-2000:]
+    assert out.returncode == 0 and " passed" in tail and "failed" not in tail, tail
