@@ -75,7 +75,7 @@ def test_fast_launch_path_is_used_and_respects_specialization():
 
     case = Case(B=2, Hq=8, Hkv=2, S=9, D=128, L=64, start=40, noncontig=True)
     args = make_inputs(case, device="cuda")
-    LAUNCHER.plans.clear()
+    LAUNCHER.clear_plans()
     run_and_check(args)
     assert plans() == 1
     run_and_check(args)  # now through the plan (query_out/key_out given: a second signature)
@@ -105,7 +105,7 @@ def test_native_launch_plans_are_used_and_exact():
     assert module is not None, _native.status()
     args = make_inputs(Case(B=2, Hq=8, Hkv=2, S=9, D=128, L=64, start=40, noncontig=True),
                        device="cuda")
-    LAUNCHER.plans.clear()
+    LAUNCHER.clear_plans()
     run_and_check(args)  # the checked path makes the plan (kept under several signatures)
     (plan,) = {id(p): p for p in LAUNCHER.plans.values()}.values()
     run_and_check(args)  # through it

@@ -263,7 +263,7 @@ class KernelLauncher:
         if plan is None:
             return
         if len(self.plans) >= self.MAX_PLANS:
-            self.plans.clear()
+            self.clear_plans()  # both routes: each relearns from checked launches
         self.plans[found[0]] = plan = Plan(plan, device_index, _native.module().launch)
         if self.op is not None and op_options is not None:
             module = _native.module()
