@@ -1,12 +1,14 @@
-"""Kernel variants: the production kernel.py with a checked text substitution each, the one
-variant mechanism of the benchmark scripts (experiments stay out of ``src/``).
+"""Kernel variants: the production kernel.py (or its store helpers, quantize.py) with a checked
+text substitution each, the one variant mechanism of the benchmark scripts (experiments stay
+out of ``src/``).
 
 A variant is used two ways:
 
 - as a whole patched copy of ``src/`` (:func:`write_tree`), for ``kernel_ab.py --variant NAME``
   (timed in its own worker process against a git revision) or to run the tests on it;
-- as a kernel imported from a patched copy of kernel.py (:func:`variant_kernel`), for
-  ``tile_sweep.py --variants`` and ``compile_sm90.py --variant`` (in-process, forced tiles).
+- as a kernel imported from patched copies of kernel.py and quantize.py
+  (:func:`variant_kernel`), for ``tile_sweep.py --variants`` and ``compile_sm90.py --variant``
+  (in-process, forced tiles).
 
 Every text to replace must occur exactly once (``every``: at least once), so a kernel change
 breaks a variant loudly instead of silently timing the production kernel
@@ -29,6 +31,7 @@ from typing import NamedTuple
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 KERNEL = "qkrope/ops/qknorm_rope/kernel.py"
+QUANTIZE = "qkrope/ops/qknorm_rope/quantize.py"
 
 
 class Edit(NamedTuple):
@@ -100,27 +103,8 @@ _FMA_DIVISION = Edit(KERNEL, '''        _store_fp8(out_ptr, off, tl.math.div_rn(
 # clamps +-inf and out-of-range values to the largest finite value and gives NaN the code 0x7F,
 # so on the GPU the production clamp (2 FMNMX an element) and NaN select are the conversion's
 # own work done twice. The interpreter, whose cast truncates, keeps the production store.
-_SATFINITE = Edit(KERNEL, "from .quantize import _store_codes, _store_fp8, _token_head_scale\n",
-                  '''from .quantize import _store_codes as _store_codes_checked
-from .quantize import _store_fp8 as _store_fp8_checked
-from .quantize import _token_head_scale
-
-
-@triton.jit
-def _store_fp8(out_ptr, off, v, mask, INTERPRETER: tl.constexpr):
-    if INTERPRETER:
-        _store_fp8_checked(out_ptr, off, v, mask, INTERPRETER)
-    else:
-        tl.store(out_ptr + off, v.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _store_codes(out_ptr, off, y, mask, INTERPRETER: tl.constexpr):
-    if out_ptr.dtype.element_ty == tl.int8:
-        _store_codes_checked(out_ptr, off, y, mask, INTERPRETER)
-    else:
-        _store_fp8(out_ptr, off, y, mask, INTERPRETER)
-''')
+_SATFINITE = Edit(QUANTIZE, "        stored = tl.where(v != v, v, clamped).to(FP8)\n",
+                  "        stored = v.to(FP8)  # cvt.rn.satfinite: saturates; NaN -> 0x7F\n")
 
 #: name -> (what it probes, edits).
 VARIANTS: dict[str, tuple[str, list[Edit]]] = {
@@ -180,21 +164,31 @@ def write_tree(name: str, dest: pathlib.Path | str) -> pathlib.Path:
 
 def variant_kernel(name: str | None):
     """The production ``qknorm_rope_kernel`` (``name`` None or "production"), or the kernel of
-    a fresh copy of kernel.py with variant ``name`` applied (kernel-only variants). The copy is
-    imported from a file, not exec'd from a string: @triton.jit reads its source with
-    ``inspect``."""
+    a fresh copy of kernel.py (and of quantize.py, its store helpers) with variant ``name``
+    applied. The copies are imported from files, not exec'd from strings: @triton.jit reads
+    its source with ``inspect``."""
     from qkrope.ops.qknorm_rope import kernel as production
 
     if name in (None, "production"):
         return production.qknorm_rope_kernel
-    files = patched(name, pathlib.Path(production.__file__).resolve().parents[3])
-    if set(files) != {KERNEL}:
+    root = pathlib.Path(production.__file__).resolve().parents[3]
+    files = patched(name, root)
+    if set(files) - {KERNEL, QUANTIZE}:
         raise ValueError(f"variant {name!r} patches {', '.join(files)}: use write_tree")
-    # Imported as a lone file: its relative imports name the production package.
-    src = files[KERNEL].replace("\nfrom .", "\nfrom qkrope.ops.qknorm_rope.")
-    module_name = f"qkrope_kernel_{name}_{hashlib.sha1(src.encode()).hexdigest()[:10]}"
+    src = files.get(KERNEL) or (root / KERNEL).read_text()
+    if QUANTIZE in files:  # the copy's store helpers come from the patched quantize.py
+        helpers = _import_copy(f"qkrope_quantize_{name}", files[QUANTIZE])
+        src = src.replace("\nfrom .quantize import", f"\nfrom {helpers.__name__} import")
+    # Imported as a lone file: its other relative imports name the production package.
+    src = src.replace("\nfrom .", "\nfrom qkrope.ops.qknorm_rope.")
+    return _import_copy(f"qkrope_kernel_{name}", src).qknorm_rope_kernel
+
+
+def _import_copy(prefix: str, src: str):
+    """``src`` imported as a module of its own (named by its hash: one module per text)."""
+    module_name = f"{prefix}_{hashlib.sha1(src.encode()).hexdigest()[:10]}"
     if module_name in sys.modules:
-        return sys.modules[module_name].qknorm_rope_kernel
+        return sys.modules[module_name]
     path = pathlib.Path(tempfile.gettempdir()) / "qkrope-kernel-variants" / f"{module_name}.py"
     path.parent.mkdir(exist_ok=True)
     path.write_text(src)
@@ -202,7 +196,7 @@ def variant_kernel(name: str | None):
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
     spec.loader.exec_module(module)
-    return module.qknorm_rope_kernel
+    return module
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -33,9 +33,10 @@ def test_every_variant_applies_to_the_kernel(tmp_path):
     assert out.returncode == 0, out.stderr
     made = sorted(p.parent.name for p in tmp_path.glob("*/src"))
     assert made == sorted(variants.VARIANTS) and "partial_rotary_freqs" in made
-    original = (ROOT / "src" / variants.KERNEL).read_text()
-    for name in made:
-        assert (tmp_path / name / "src" / variants.KERNEL).read_text() != original, name
+    for name in made:  # each differs from src/ where it says
+        for edit in variants.VARIANTS[name][1]:
+            got = (tmp_path / name / "src" / edit.path).read_text()
+            assert got != (ROOT / "src" / edit.path).read_text() and edit.new in got, name
 
 
 def test_an_unknown_variant_is_refused(tmp_path):
@@ -78,10 +79,9 @@ def test_fma_division_gives_the_ieee_quotients_e4m3_codes():
 
 
 def test_fp8_store_candidates_import_and_run_in_the_interpreter(tmp_path):
-    """``satfinite_store`` (and ``fp8_stores``, with ``fma_division``) re-route the kernel's FP8
-    stores through names of its own: the patched tree must import and give the production
-    bytes in the interpreter, which keeps the checked store (their GPU branch is what the device
-    step fp8-stores tests and times)."""
+    """``fp8_stores`` (``fma_division`` in kernel.py, ``satfinite_store`` in quantize.py): the
+    patched tree must import and give the production bytes in the interpreter, which keeps the
+    checked store (their GPU branch is what the device step fp8-stores tests and times)."""
     assert make_trees(tmp_path, "fp8_stores").returncode == 0
     env = dict(os.environ, PYTHONPATH=str(tmp_path / "fp8_stores" / "src"))
     out = subprocess.run(
