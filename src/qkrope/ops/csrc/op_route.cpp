@@ -23,9 +23,12 @@ struct Route {
 constexpr size_t kMaxRoutePlans = 4096;  // as KernelLauncher.MAX_PLANS
 constexpr size_t kMaxKinds = 256;
 
-std::mutex routes_mu;
-std::unordered_map<std::string, std::shared_ptr<Route>> routes;  // by op name
-std::vector<std::unique_ptr<torch::Library>> route_libraries;   // kept for the process
+// The served ops (by name) and their registrations, for the life of the process: never
+// destroyed, so no kernel is deregistered from the dispatcher during static destruction at exit,
+// whatever the order in which libraries tear down.
+std::mutex& routes_mu = *new std::mutex;
+auto& routes = *new std::unordered_map<std::string, std::shared_ptr<Route>>;
+auto& route_libraries = *new std::vector<std::unique_ptr<torch::Library>>;
 
 std::shared_ptr<Route> route_of(const std::string& op) {
   std::lock_guard<std::mutex> g(routes_mu);
