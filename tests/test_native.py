@@ -208,6 +208,8 @@ def test_served_op_launches_its_plans_in_cpp_and_hands_every_miss_to_its_twin(mo
                               (0, 1, 2), False)
     assert module.add_plan(name, "a", module.signature(rules, x, out)[0], plan)
     assert not module.add_plan("qkrope_route_test::nothing", "a", b"", plan)  # not served
+    other = module.make_launch(0, 0, 1, 1, 32, 0, 0, "pppp", (None,) * 4, (0, 1, 2), False)
+    assert not module.add_plan(name, "b", b"", other)  # its third per-call value is no float
     assert module.route_stats(name) == (1, 0, 1)
     version = out._version
     op(x, torch.empty(32)[::2], 1e-6, "a")  # another signature (strides)

@@ -121,9 +121,9 @@ struct RouteKernel final : c10::OperatorKernel {
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
     const size_t nargs = op.schema().arguments().size();
     uint64_t values[kMaxTensors + 8];
-    PlanRef plan;
-    if (route->n_scalars <= 8) plan = find_plan(*route, torch::jit::last(*stack, nargs), values);
-    if (!plan || !matches(*plan, route->n_tensors, route->n_scalars)) {
+    // (serve_op bounds n_scalars by 8; add_plan keeps only plans that match the route)
+    const PlanRef plan = find_plan(*route, torch::jit::last(*stack, nargs), values);
+    if (!plan) {
       route->handed_on.fetch_add(1, std::memory_order_relaxed);
       route->checked->callBoxed(stack);  // the Python body: checks, launch, remember
       return;
@@ -199,7 +199,8 @@ static PyObject* qk_serve_op(PyObject*, PyObject* args) {
 }
 
 // add_plan(op, options, signature, plan): the plan for calls of op with these options (str)
-// and signature (bytes, as signature() packs it). False when op is not served.
+// and signature (bytes, as signature() packs it). False when op is not served or the plan's
+// per-call parameters are not the route's (pointers, then float32 scalars).
 static PyObject* qk_add_plan(PyObject*, PyObject* args) {
   const char* op;
   PyObject* options;
@@ -209,7 +210,7 @@ static PyObject* qk_add_plan(PyObject*, PyObject* args) {
   PlanRef* ref = plan_ref(capsule);
   if (!ref) return nullptr;
   auto route = route_of(op);
-  if (!route) Py_RETURN_FALSE;
+  if (!route || !matches(**ref, route->n_tensors, route->n_scalars)) Py_RETURN_FALSE;
   Py_ssize_t len = 0;
   const char* text = PyUnicode_AsUTF8AndSize(options, &len);
   if (!text) return nullptr;
