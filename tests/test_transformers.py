@@ -376,6 +376,36 @@ def test_patch_is_idempotent_and_the_old_names_still_work():
     assert "forward" not in rotary.__dict__ and "_qkrope_state" not in rotary.__dict__
 
 
+def test_patch_swaps_the_layer_class_and_unpatch_restores_it_and_an_instance_forward():
+    # A patched layer is an instance of a subclass of its class with the same name (its
+    # forward on the class: no per-layer guards under torch.compile); a forward set on the
+    # instance before patch (an accelerate hook) is what its fallback runs, and is back after
+    # unpatch.
+    model = _tiny_qwen3(seed=9)
+    first, second = (blk.self_attn for blk in model.model.layers)
+    stock_cls = type(first)
+    calls = []
+
+    def hooked(*args, **kwargs):
+        calls.append(1)
+        return stock_cls.forward(first, *args, **kwargs)
+
+    first.forward = hooked
+    assert patch(model) == 2
+    for layer in (first, second):
+        assert type(layer) is not stock_cls and isinstance(layer, stock_cls)
+        assert type(layer).__name__ == stock_cls.__name__ and "forward" not in layer.__dict__
+    assert type(first) is type(second)
+    model.train()  # a call the patched layers hand to what ran before patch
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)
+        model(**_prompt(1))
+    assert calls == [1]
+    assert unpatch(model) == 2
+    assert type(first) is stock_cls and type(second) is stock_cls
+    assert first.forward is hooked and "forward" not in second.__dict__
+
+
 def test_patch_rejects_models_without_qwen3_attention():
     with pytest.raises(ValueError, match="no Qwen3-family attention"):
         patch(torch.nn.Linear(2, 2))
@@ -427,6 +457,46 @@ def test_patched_decode_step_compiles_into_one_graph(family):
     assert sum(n.target is op for n in graphs[0].graph.nodes) == n_attn
     assert torch.equal(tokens, eager_tokens)
     assert_same_cache(cache, eager_cache)
+
+
+def _decode_step_guards(layers: int, patched: bool) -> int:
+    """Guards the compiled decode step of a ``layers``-layer Qwen3 model evaluates per call."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        **{**TEXT, "num_hidden_layers": layers})).to(DEVICE, torch.bfloat16).eval()
+    if patched:
+        assert patch(model) == layers
+    cache = StaticCache(config=model.config, max_cache_len=8)
+    kw = {cache_kwarg(model): cache, "use_cache": True}
+    ids = torch.randint(0, IMAGE, (1, 5), device=DEVICE)
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            model(ids[:, :4], **kw)
+            step = {"position_ids": torch.full((1, 1), 4, device=DEVICE), **kw}
+            torch.compile(model.forward, backend="eager", fullgraph=True)(ids[:, 4:], **step)
+            forward = type(model).forward  # transformers' wrappers: the frame dynamo compiled
+            frame = {"args": (model, ids[:, 4:]), "kwargs": step,
+                     **{name: cell.cell_contents for name, cell in
+                        zip(forward.__code__.co_freevars, forward.__closure__ or ())}}
+            entry, = _debug_get_cache_entry_list(forward.__code__)
+            checked = entry.guard_manager.check_verbose(frame)
+    finally:
+        torch._dynamo.reset()
+    assert checked.result, checked.verbose_code_parts
+    return checked.num_guards_executed
+
+
+def test_a_patched_layer_adds_no_guards_to_the_compiled_step():
+    # Every guard of a compiled step is evaluated on every call, CUDA-graph replays included
+    # (reduce-overhead, generate()): host time the patched model must not add per layer
+    # (docs/design.md, "Compile route"). A forward set on the instance, or patch-time fields
+    # read one by one from each layer, cost 9 more guards per layer than the stock layer's.
+    per_layer = {patched: (_decode_step_guards(3, patched) - _decode_step_guards(1, patched)) / 2
+                 for patched in (False, True)}
+    assert per_layer[True] <= per_layer[False], per_layer
 
 
 def first_steps_logits(model, inputs, compiled: bool) -> tuple:

@@ -61,10 +61,11 @@ from typing import NamedTuple
 
 import torch
 from transformers.cache_utils import StaticLayer
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .._interpret import interpreting
 from ..ops.qknorm_rope import fused_rope_with_qk_norm_and_kv_cache_update
-from ..ops.qknorm_rope.checks import ACTIVATION_DTYPES, HEAD_DIMS
+from ..ops.qknorm_rope.checks import ACTIVATION_DTYPES, HEAD_DIMS, PLAIN_TENSORS
 
 __all__ = ["patch", "unpatch", "is_patched", "patch_qwen3", "unpatch_qwen3", "FallbackWarning",
            "SUPPORTED_ATTENTION"]
@@ -109,21 +110,29 @@ _ROTARY = {
 }
 
 
-class _Plan(NamedTuple):
-    """Everything a patched layer needs that is fixed at patch time."""
+class _Static(NamedTuple):
+    """What a patched layer needs that is fixed at patch time and is a constant."""
 
-    rotary: torch.nn.Module
-    positions: dict              # the rotary's state: this forward's "positions" (and "cos")
     gated: bool
     norm_rounding: str
     norm_weight_offset: float
     mrope_section: tuple | None  # (T, H, W) frequency counts, interleaved
     eps: float
     cache_kwarg: str             # "cache" (5.24) or "past_key_values" (earlier 5.x)
-    attention_functions: object  # the modeling file's ALL_ATTENTION_FUNCTIONS
-    eager_attention: Callable
+
+
+#: Every patched layer's constants, by its key (``_qkrope_key``). Under torch.compile a layer's
+#: forward reads them as ``_STATIC[key]``: its guards are the key's, one per layer, and the
+#: fields' once per distinct key, where fields read from each layer would cost guards per layer
+#: on every call of the compiled step (docs/design.md, "Compile route").
+_STATIC: dict[str, _Static] = {}
+
+
+class _Plan(NamedTuple):
+    """A patched layer's objects that only its slow paths read (autograd check, fallback)."""
+
     params: tuple                # the layer's parameters (autograd check)
-    stock_forward: Callable
+    previous_forward: Callable | None  # a forward set on the instance before patch (a hook)
 
 
 _warned: set[str] = set()
@@ -148,9 +157,12 @@ def _norm_eps(norm) -> float | None:
 
 
 def _layer_options(m, family: _Family, rotary) -> tuple[str | None, dict]:
-    """``(reason, {})`` if the op cannot run layer ``m``, else ``(None, plan fields)``."""
+    """``(reason, {})`` if the op cannot run layer ``m``, else ``(None, its _Static fields)``."""
     if rotary is None:
         return "no text rotary embedding found beside its decoder layers", {}
+    if getattr(sys.modules[type(m).__module__], "ALL_ATTENTION_FUNCTIONS",
+               None) is not ALL_ATTENTION_FUNCTIONS:
+        return "its modeling file has another attention registry than transformers'", {}
     D = m.head_dim
     if D not in HEAD_DIMS:
         return f"head_dim {D} (the op takes {', '.join(map(str, HEAD_DIMS))})", {}
@@ -229,6 +241,7 @@ def _rotary_forward(self, x, position_ids, *args, **kwargs):
     # not one per layer (docs/design.md, "Compile route").
     inv_freq = self.inv_freq
     state["inv_freq"] = inv_freq if inv_freq.dtype == torch.float32 else inv_freq.float()
+    state["scale"] = self.attention_scaling  # read here, once per forward, not in every layer
     # Under torch.compile the cos would become an extra graph output: kept in eager only.
     state["cos"] = None if torch.compiler.is_compiling() else cos
     return cos, sin
@@ -241,6 +254,26 @@ def _hook_rotary(rotary: torch.nn.Module) -> dict:
         rotary._qkrope_state = {}
         rotary.forward = types.MethodType(_rotary_forward, rotary)
     return rotary._qkrope_state
+
+
+_FUSED_CLASSES: dict[type, type] = {}
+
+
+def _fused_class(base: type) -> type:
+    """``base`` with qkrope's forward, a patched layer's class: a subclass of the same name, so
+    ``isinstance`` and the name read as before. A forward set on the instance instead costs the
+    compiled step guards per layer on every call (the method object, its function, code and
+    ``__self__``); one on the class costs none beyond the type check every module has. The
+    modeling file's eager attention rides on the class (the stock forward takes it from its
+    module; docs/design.md, "Compile route")."""
+    cls = _FUSED_CLASSES.get(base)
+    if cls is None:
+        hf = sys.modules[base.__module__]
+        cls = _FUSED_CLASSES[base] = type(base.__name__, (base,), {
+            "__module__": base.__module__, "__qualname__": base.__qualname__,
+            "__doc__": base.__doc__, "forward": _fused_forward, "_qkrope_base": base,
+            "_qkrope_eager_attention": hf.eager_attention_forward})
+    return cls
 
 
 def patch(model: torch.nn.Module) -> int:
@@ -273,16 +306,18 @@ def patch(model: torch.nn.Module) -> int:
         if reason is not None:
             skipped[reason] = skipped.get(reason, 0) + 1
             continue
-        hf = sys.modules[type(m).__module__]  # the modeling file's own attention registry
         params = inspect.signature(type(m).forward).parameters
-        m._qkrope_previous_forward = m.__dict__.get("forward")
-        m._qkrope_plan = _Plan(
-            rotary=rotary, positions=_hook_rotary(rotary), **options,
-            cache_kwarg="cache" if "cache" in params else "past_key_values",
-            attention_functions=hf.ALL_ATTENTION_FUNCTIONS,
-            eager_attention=hf.eager_attention_forward, params=tuple(m.parameters()),
-            stock_forward=m.forward)
-        m.forward = types.MethodType(_fused_forward, m)
+        static = _Static(**options,
+                         cache_kwarg="cache" if "cache" in params else "past_key_values")
+        key = repr(tuple(static))
+        _STATIC.setdefault(key, static)
+        # A forward on the instance (e.g. an accelerate hook) would shadow the class's: it is
+        # what the layer's fallback runs, and is back at unpatch.
+        m._qkrope_plan = _Plan(params=tuple(m.parameters()),
+                               previous_forward=m.__dict__.pop("forward", None))
+        m._qkrope_key = key
+        m._qkrope_rotary_state = _hook_rotary(rotary)
+        m.__class__ = _fused_class(type(m))
         patched += 1
     for reason, n in skipped.items():
         warnings.warn(f"qkrope.patch: {n} of {len(attention)} attention layers keep the stock "
@@ -296,8 +331,10 @@ def unpatch(model: torch.nn.Module) -> int:
     n = 0
     for m in model.modules():
         if is_patched(m):
-            _restore_forward(m)
-            del m._qkrope_plan
+            m.__class__ = m._qkrope_base
+            if m._qkrope_plan.previous_forward is not None:
+                m.forward = m._qkrope_plan.previous_forward
+            del m._qkrope_plan, m._qkrope_key, m._qkrope_rotary_state
             n += 1
         if "_qkrope_state" in m.__dict__:
             _restore_forward(m)
@@ -331,14 +368,14 @@ def unpatch_qwen3(model: torch.nn.Module) -> int:
 # --------------------------------------------------------------------------------------------
 # call time
 # --------------------------------------------------------------------------------------------
-def _call_reason(self, plan: _Plan, hidden_states, position_embeddings) -> str | None:
+def _call_reason(self, hidden_states, position_embeddings) -> str | None:
     """Why this call must take the stock forward (cheap checks, no device sync), or None."""
     if self.training:
         return "the module is training (the op has no backward, and no dropout)"
     if torch.is_grad_enabled() and (hidden_states.requires_grad or any(
-            p.requires_grad for p in plan.params)):
+            p.requires_grad for p in self._qkrope_plan.params)):
         return "autograd is recording (the op has no backward; use torch.no_grad())"
-    state = plan.positions
+    state = self._qkrope_rotary_state
     if "positions" not in state:
         return "the model's rotary embedding has not run (no positions for this forward)"
     if not torch.compiler.is_compiling() and (
@@ -354,17 +391,17 @@ def _fused_forward(self, hidden_states, position_embeddings=None, attention_mask
     forward of the installed transformers takes it from (``cache`` from 5.24, before that
     ``past_key_values``); any other keyword goes on to the attention function, as in the stock
     forward (a ``cache=`` given to a 5.17 model is ignored there, so it is here)."""
-    plan = self._qkrope_plan
-    cache = kwargs.pop(plan.cache_kwarg, None)
-    reason = _call_reason(self, plan, hidden_states, position_embeddings)
+    static = _STATIC[self._qkrope_key]
+    cache = kwargs.pop(static.cache_kwarg, None)
+    reason = _call_reason(self, hidden_states, position_embeddings)
     if reason is not None:
-        return _stock(self, plan, reason, hidden_states, position_embeddings, attention_mask,
+        return _stock(self, static, reason, hidden_states, position_embeddings, attention_mask,
                       cache, kwargs)
 
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
     gate = None
-    if plan.gated:
+    if static.gated:
         # [q | gate] per head: the query is a strided half of each 2 D row, read in place.
         query, gate = torch.chunk(
             self.q_proj(hidden_states).view(*input_shape, -1, self.head_dim * 2), 2, dim=-1)
@@ -376,17 +413,19 @@ def _fused_forward(self, hidden_states, position_embeddings=None, attention_mask
     value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
 
     try:
-        query, key, keys, values = _prologue(self, plan, query, key, value, cache)
+        query, key, keys, values = _prologue(self, static, query, key, value, cache)
     except (TypeError, ValueError) as err:  # the op's checks: nothing was written
-        return _stock(self, plan, f"the op rejected it: {err}", hidden_states,
+        return _stock(self, static, f"the op rejected it: {err}", hidden_states,
                       position_embeddings, attention_mask, cache, kwargs)
     if keys is None:  # not a plain StaticLayer: the stock cache update stores the rotated rows
         keys, values = key, value
         if cache is not None:
             keys, values = cache.update(key, value, self.layer_idx, kwargs=kwargs)
 
-    attention_interface = plan.attention_functions.get_interface(
-        self.config._attn_implementation, plan.eager_attention)
+    # As the stock forward (the modeling files' registry is transformers' one, checked at patch
+    # time); the eager function, its default, is read only when it is the one.
+    attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+        self.config._attn_implementation, None) or self._qkrope_eager_attention
     extra = {"sliding_window": self.sliding_window} if hasattr(self, "sliding_window") else {}
     attn_output, attn_weights = attention_interface(
         self, query, keys, values, attention_mask, dropout=0.0, scaling=self.scaling, **extra,
@@ -397,20 +436,22 @@ def _fused_forward(self, hidden_states, position_embeddings=None, attention_mask
     return self.o_proj(attn_output), attn_weights
 
 
-def _prologue(self, plan: _Plan, query, key, value, cache):
+def _prologue(self, static: _Static, query, key, value, cache):
     """The op on one layer's projections: ``(query_rotated, key_rotated, keys, values)``. With
     a plain ``StaticLayer`` it writes the new rows there and returns the layer's whole tensors
     as ``keys, values``; otherwise it writes nothing and they are None. Raises the op's
     TypeError / ValueError before any state changes."""
-    positions = plan.positions["positions"]
-    if plan.mrope_section is not None:
+    state = self._qkrope_rotary_state  # what the rotary embedding left in this forward
+    positions = state["positions"]
+    if static.mrope_section is not None:
         positions = positions.expand(3, -1, -1)  # as the rotary module does: [3, B, S]
-    inv_freq = plan.positions["inv_freq"]  # this forward's, in fp32 (_rotary_forward)
-    options = dict(norm_rounding=plan.norm_rounding, norm_weight_offset=plan.norm_weight_offset,
+    inv_freq = state["inv_freq"]  # in fp32 (_rotary_forward)
+    options = dict(norm_rounding=static.norm_rounding,
+                   norm_weight_offset=static.norm_weight_offset,
                    rotary_dim=2 * inv_freq.shape[0],
-                   cos_sin_scale=float(plan.rotary.attention_scaling),
-                   mrope_section=plan.mrope_section, mrope_interleaved=True)
-    if plan.mrope_section is None:
+                   cos_sin_scale=float(state["scale"]),
+                   mrope_section=static.mrope_section, mrope_interleaved=True)
+    if static.mrope_section is None:
         del options["mrope_section"], options["mrope_interleaved"]
     # The stock norm and rotary keep their input's memory layout ([B, S, H, D] order, the
     # projection's); the attention kernel that runs next may pick another algorithm (other
@@ -420,7 +461,7 @@ def _prologue(self, plan: _Plan, query, key, value, cache):
     layer = None
     layers = getattr(cache, "layers", None)
     if layers is not None and self.layer_idx < len(layers) and not getattr(
-            cache, "offloading", False) and type(layers[self.layer_idx]) is StaticLayer:
+            cache, "offloading", False) and type(layers[self.layer_idx]) in _PLAIN_STATIC_LAYER:
         layer = layers[self.layer_idx]
     if layer is not None:
         if not layer.is_initialized:
@@ -432,7 +473,7 @@ def _prologue(self, plan: _Plan, query, key, value, cache):
         rows = torch.arange(seq_len, device=key.device) + layer.cumulative_length
         q_rot, k_rot, keys, values = fused_rope_with_qk_norm_and_kv_cache_update(
             query, key, value, positions, layer.keys, layer.values, rows,
-            _local(self.q_norm.weight), _local(self.k_norm.weight), inv_freq, plan.eps,
+            _local(self.q_norm.weight), _local(self.k_norm.weight), inv_freq, static.eps,
             **options)
         layer.cumulative_length.add_(seq_len)
         return q_rot, k_rot, keys, values
@@ -445,8 +486,14 @@ def _prologue(self, plan: _Plan, query, key, value, cache):
     rows = torch.full((S,), -1, dtype=torch.int64, device=key.device)
     q_rot, k_rot, _, _ = fused_rope_with_qk_norm_and_kv_cache_update(
         query, key, value, positions, k_stand_in, v_stand_in, rows, _local(self.q_norm.weight),
-        _local(self.k_norm.weight), inv_freq, plan.eps, **options)
+        _local(self.k_norm.weight), inv_freq, static.eps, **options)
     return q_rot, k_rot, None, None
+
+
+#: The one cache layer class the op writes: exactly StaticLayer, not its subclasses (sliding
+#: windows). Tested as ``type(layer) in`` this set: under torch.compile that is a type check per
+#: layer, where ``type(layer) is StaticLayer`` costs a Python-evaluated guard per layer and call.
+_PLAIN_STATIC_LAYER = frozenset({StaticLayer})
 
 
 def _check_room(layer: StaticLayer, seq_len: int) -> None:
@@ -455,7 +502,7 @@ def _check_room(layer: StaticLayer, seq_len: int) -> None:
     IndexError on CPU, a device-side assert on a GPU), so this does the same. A prompt longer
     than the cache is known on the host; the running offset lives on the device, so that check
     is an asynchronous device assert (no host sync on the decode path)."""
-    room = layer.max_cache_len
+    room = layer.keys.shape[2]  # max_cache_len, read from the guarded tensor: no guard of its own
     if seq_len > room:
         raise IndexError(f"qkrope: {seq_len} new tokens do not fit a StaticCache of "
                          f"max_cache_len={room}; make the cache larger")
@@ -467,12 +514,17 @@ def _check_room(layer: StaticLayer, seq_len: int) -> None:
 def _local(weight: torch.Tensor) -> torch.Tensor:
     """This rank's tensor of a weight that tensor parallelism keeps as a (replicated) DTensor,
     as older transformers did for q_norm/k_norm; the kernel addresses plain tensors."""
+    if type(weight) in PLAIN_TENSORS:
+        return weight
     to_local = getattr(weight, "to_local", None)
     return weight if to_local is None else to_local()
 
 
-def _stock(self, plan: _Plan, reason: str, hidden_states, position_embeddings, attention_mask,
-           cache, kwargs):
+def _stock(self, static: _Static, reason: str, hidden_states, position_embeddings,
+           attention_mask, cache, kwargs):
     _warn_call_once(reason)
-    return plan.stock_forward(hidden_states, position_embeddings, attention_mask,
-                              **{plan.cache_kwarg: cache}, **kwargs)
+    args, kw = (hidden_states, position_embeddings, attention_mask), {static.cache_kwarg: cache}
+    previous = self._qkrope_plan.previous_forward
+    if previous is not None:
+        return previous(*args, **kw, **kwargs)
+    return self._qkrope_base.forward(self, *args, **kw, **kwargs)

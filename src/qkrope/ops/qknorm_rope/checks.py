@@ -59,10 +59,16 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+#: Tensor types that are never a DTensor: no ``to_local`` lookup for them (under torch.compile
+#: each lookup is a guard that the compiled step evaluates on every call).
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
 def tensor_arg(name: str, x, rank: int | tuple[int, ...], dtypes) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if hasattr(x, "to_local"):  # a DTensor: the kernel addresses one device's memory
+    # A DTensor: the kernel addresses one device's memory.
+    if type(x) not in PLAIN_TENSORS and hasattr(x, "to_local"):
         raise TypeError(f"{name} is a {type(x).__name__}; pass this rank's tensor "
                         f"({name}.to_local())")
     ranks = (rank,) if isinstance(rank, int) else rank
