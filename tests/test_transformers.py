@@ -370,9 +370,10 @@ def test_patch_is_idempotent_and_the_old_names_still_work():
     model = _tiny_qwen3(seed=9)
     assert patch_qwen3(model) == 2 and patch(model) == 2
     rotary = model.model.rotary_emb
-    assert rotary.forward.__func__ is integ._rotary_forward
-    assert rotary._qkrope_stock_forward.__func__ is not integ._rotary_forward  # wrapped once
+    assert type(rotary).forward is integ._rotary_forward
+    assert type(rotary).__mro__[1] is transformers.models.qwen3.modeling_qwen3.Qwen3RotaryEmbedding
     assert unpatch_qwen3(model) == 2 and unpatch(model) == 0
+    assert type(rotary) is transformers.models.qwen3.modeling_qwen3.Qwen3RotaryEmbedding
     assert "forward" not in rotary.__dict__ and "_qkrope_state" not in rotary.__dict__
 
 
@@ -391,19 +392,59 @@ def test_patch_swaps_the_layer_class_and_unpatch_restores_it_and_an_instance_for
         return stock_cls.forward(first, *args, **kwargs)
 
     first.forward = hooked
+    rotary = model.model.rotary_emb
+    stock_rotary_cls, rotary_calls = type(rotary), []
+
+    def hooked_rotary(*args, **kwargs):
+        rotary_calls.append(1)
+        return stock_rotary_cls.forward(rotary, *args, **kwargs)
+
+    rotary.forward = hooked_rotary
     assert patch(model) == 2
-    for layer in (first, second):
-        assert type(layer) is not stock_cls and isinstance(layer, stock_cls)
-        assert type(layer).__name__ == stock_cls.__name__ and "forward" not in layer.__dict__
+    for module, cls in ((first, stock_cls), (second, stock_cls), (rotary, stock_rotary_cls)):
+        assert type(module) is not cls and isinstance(module, cls)
+        assert type(module).__name__ == cls.__name__ and "forward" not in module.__dict__
     assert type(first) is type(second)
+    with torch.no_grad():  # the rotary's hook runs inside the patched rotary's forward
+        model(**_prompt(1))
+    assert rotary_calls == [1] and calls == []
     model.train()  # a call the patched layers hand to what ran before patch
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore", FallbackWarning)
         model(**_prompt(1))
-    assert calls == [1]
+    assert calls == [1] and rotary_calls == [1, 1]
     assert unpatch(model) == 2
     assert type(first) is stock_cls and type(second) is stock_cls
+    assert type(rotary) is stock_rotary_cls and rotary.forward is hooked_rotary
     assert first.forward is hooked and "forward" not in second.__dict__
+
+
+def test_a_patched_model_survives_torch_save_and_deepcopy(monkeypatch):
+    # The patched classes have no importable name: a patched model pickles as the stock classes
+    # plus qkrope's role and loads patched, also in a process that never patched (no constants
+    # registered there yet), with the same logits; the copy unpatches on its own.
+    import copy
+    import io
+
+    model = _tiny_qwen3(seed=11)
+    assert patch(model) == 2
+    inputs = _prompt(2)
+    with torch.no_grad():
+        want = model(**inputs).logits
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    monkeypatch.setattr(integ, "_STATIC", {})
+    loaded = torch.load(buffer, weights_only=False)
+    for copied in (loaded, copy.deepcopy(model)):
+        layers = [blk.self_attn for blk in copied.model.layers]
+        assert all(is_patched(m) for m in layers)
+        assert type(layers[0]) is type(model.model.layers[0].self_attn)
+        # the copy's layers read the copy's rotary, not the original's
+        assert layers[0]._qkrope_rotary_state is copied.model.rotary_emb._qkrope_state
+        with torch.no_grad():
+            assert torch.equal(copied(**inputs).logits, want)
+        assert unpatch(copied) == 2 and is_patched(model.model.layers[0].self_attn)
 
 
 def test_patch_rejects_models_without_qwen3_attention():

@@ -50,11 +50,11 @@ differs from the stock eager one in ~3% of its keys.
 
 from __future__ import annotations
 
+import ast
 import inspect
 import math
 import numbers
 import sys
-import types
 import warnings
 from collections.abc import Callable
 from typing import NamedTuple
@@ -233,7 +233,11 @@ def _text_rotaries(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
 def _rotary_forward(self, x, position_ids, *args, **kwargs):
     """The text rotary embedding's forward, keeping this forward's positions for the patched
     layers (eager: also the cos it returned, so a layer can tell it got this call's)."""
-    cos, sin = self._qkrope_stock_forward(x, position_ids, *args, **kwargs)
+    previous = self._qkrope_previous_forward  # a forward set on the instance before patch
+    if previous is None:
+        cos, sin = self._qkrope_base.forward(self, x, position_ids, *args, **kwargs)
+    else:
+        cos, sin = previous(x, position_ids, *args, **kwargs)
     state = self._qkrope_state
     state["positions"] = position_ids
     # After the stock forward's dynamic update; in fp32 once per forward, not once per layer
@@ -249,31 +253,54 @@ def _rotary_forward(self, x, position_ids, *args, **kwargs):
 
 def _hook_rotary(rotary: torch.nn.Module) -> dict:
     if "_qkrope_state" not in rotary.__dict__:
-        rotary._qkrope_previous_forward = rotary.__dict__.get("forward")
-        rotary._qkrope_stock_forward = rotary.forward
+        rotary._qkrope_previous_forward = rotary.__dict__.pop("forward", None)
         rotary._qkrope_state = {}
-        rotary.forward = types.MethodType(_rotary_forward, rotary)
+        rotary.__class__ = _qkrope_class(type(rotary), "rotary")
     return rotary._qkrope_state
 
 
-_FUSED_CLASSES: dict[type, type] = {}
+_CLASSES: dict[tuple[type, str], type] = {}
 
 
-def _fused_class(base: type) -> type:
-    """``base`` with qkrope's forward, a patched layer's class: a subclass of the same name, so
-    ``isinstance`` and the name read as before. A forward set on the instance instead costs the
-    compiled step guards per layer on every call (the method object, its function, code and
-    ``__self__``); one on the class costs none beyond the type check every module has. The
-    modeling file's eager attention rides on the class (the stock forward takes it from its
-    module; docs/design.md, "Compile route")."""
-    cls = _FUSED_CLASSES.get(base)
+def _qkrope_class(base: type, role: str) -> type:
+    """``base`` with qkrope's forward for ``role`` ("attention": :func:`_fused_forward`,
+    "rotary": :func:`_rotary_forward`), the class of a patched module: a subclass of the same
+    name, so ``isinstance`` and the name read as before. A forward set on the instance instead
+    costs the compiled step guards per module on every call (the method object, its function,
+    code and ``__self__``); one on the class costs none beyond the type check every module has.
+    The modeling file's eager attention rides on the class (the stock forward takes it from its
+    module; docs/design.md, "Compile route"). Pickled (``torch.save(model)``, ``deepcopy``) as
+    the stock class by name plus the role, and made again on load."""
+    cls = _CLASSES.get((base, role))
     if cls is None:
-        hf = sys.modules[base.__module__]
-        cls = _FUSED_CLASSES[base] = type(base.__name__, (base,), {
-            "__module__": base.__module__, "__qualname__": base.__qualname__,
-            "__doc__": base.__doc__, "forward": _fused_forward, "_qkrope_base": base,
-            "_qkrope_eager_attention": hf.eager_attention_forward})
+        attrs = {"__module__": base.__module__, "__qualname__": base.__qualname__,
+                 "__doc__": base.__doc__, "_qkrope_base": base, "_qkrope_role": role,
+                 "__reduce_ex__": _reduce_ex, "__setstate__": _setstate}
+        if role == "attention":
+            attrs.update(forward=_fused_forward, _qkrope_eager_attention=sys.modules[
+                base.__module__].eager_attention_forward)
+        else:
+            attrs.update(forward=_rotary_forward)
+        cls = _CLASSES[base, role] = type(base.__name__, (base,), attrs)
     return cls
+
+
+def _new_patched(base: type, role: str) -> torch.nn.Module:
+    cls = _qkrope_class(base, role)
+    return cls.__new__(cls)
+
+
+def _reduce_ex(self, protocol):
+    # The subclass has no importable name: pickle names the stock class instead.
+    reduced = object.__reduce_ex__(self, max(protocol, 2))  # (copyreg.__newobj__, (cls,), ...)
+    return (_new_patched, (self._qkrope_base, self._qkrope_role), *reduced[2:])
+
+
+def _setstate(self, state) -> None:
+    self._qkrope_base.__setstate__(self, state)
+    key = state.get("_qkrope_key")
+    if key is not None:  # an attention layer loaded in another process: its constants again
+        _STATIC.setdefault(key, _Static(*ast.literal_eval(key)))
 
 
 def patch(model: torch.nn.Module) -> int:
@@ -317,7 +344,7 @@ def patch(model: torch.nn.Module) -> int:
                                previous_forward=m.__dict__.pop("forward", None))
         m._qkrope_key = key
         m._qkrope_rotary_state = _hook_rotary(rotary)
-        m.__class__ = _fused_class(type(m))
+        m.__class__ = _qkrope_class(type(m), "attention")
         patched += 1
     for reason, n in skipped.items():
         warnings.warn(f"qkrope.patch: {n} of {len(attention)} attention layers keep the stock "
@@ -331,23 +358,19 @@ def unpatch(model: torch.nn.Module) -> int:
     n = 0
     for m in model.modules():
         if is_patched(m):
-            m.__class__ = m._qkrope_base
-            if m._qkrope_plan.previous_forward is not None:
-                m.forward = m._qkrope_plan.previous_forward
+            _restore_class(m, m._qkrope_plan.previous_forward)
             del m._qkrope_plan, m._qkrope_key, m._qkrope_rotary_state
             n += 1
         if "_qkrope_state" in m.__dict__:
-            _restore_forward(m)
-            del m._qkrope_state, m._qkrope_stock_forward
+            _restore_class(m, m.__dict__.pop("_qkrope_previous_forward"))
+            del m._qkrope_state
     return n
 
 
-def _restore_forward(m: torch.nn.Module) -> None:
-    previous = m.__dict__.pop("_qkrope_previous_forward")
-    if previous is None:
-        del m.forward           # the class's forward again
-    else:
-        m.forward = previous    # e.g. an accelerate hook that was there before patch
+def _restore_class(m: torch.nn.Module, previous_forward: Callable | None) -> None:
+    m.__class__ = m._qkrope_base
+    if previous_forward is not None:
+        m.forward = previous_forward  # e.g. an accelerate hook that was there before patch
 
 
 def is_patched(module: torch.nn.Module) -> bool:
