@@ -6,7 +6,7 @@ route) and the tool for the host lead of docs/perf-notes.md.
     python benchmarks/host_probe.py --rows 1,2,p1 --calls 2000
 
 Per row, in one process: the public call with the native helpers (signature, output allocation
-and ``cuLaunchKernel`` from C++, csrc/fast_path.cpp; built first, ~30 s on a first run) and
+and ``cuLaunchKernel`` from C++, csrc/fast_path.cpp; built first, ~20 s on a first run) and
 without them (``QKROPE_NATIVE=0`` in-process: every call is checked and launched through
 Triton's public launch), with outputs preallocated and allocated; then the native parts one by
 one. Each figure is the bench's estimator (``host_times_beside_us``): ``--calls`` calls in 10

@@ -4,7 +4,7 @@ published once, atomically, under a lock that dies with its holder; loaded from 
 without a compiler; bounded waits; a corrupt cache entry rebuilt, never loaded; killed builds
 never block the next one; QKROPE_NATIVE=0 never starts a compiler.
 
-Four real compiles (~30 s each on two cores), shared through module-scoped fixtures."""
+Four real compiles (~20 s each on two cores), shared through module-scoped fixtures."""
 
 from __future__ import annotations
 

@@ -253,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "when built, 1 when not.")
     n.add_argument("--timeout", type=_seconds, default=600.0, metavar="SECONDS",
                    help="give up waiting after this long (default 600; a first build takes "
-                        "~30 s on two cores)")
+                        "~20 s on two cores)")
     return parser
 
 

@@ -33,7 +33,7 @@ __all__ = ["ImplResult", "WorkloadResult", "BenchReport", "CheckPlan", "Progress
            "memory_bytes", "human_size", "check_result"]
 
 #: How long a GPU run waits for the native launch helpers before timing (a first build takes
-#: ~30 s on two cores; a broken toolchain must not hold the run forever).
+#: ~20 s on two cores; a broken toolchain must not hold the run forever).
 NATIVE_WAIT_S = 300.0
 
 
@@ -270,7 +270,7 @@ def run_benchmark(
         # route measured is in the report's environment. A no-op with QKROPE_NATIVE=0.
         if _native.enabled() and _native.module() is None and native_wait_s > 0:
             progress.status(f"waiting up to {native_wait_s:.0f} s for the native launch helpers "
-                            "(a first build takes ~30 s; QKROPE_NATIVE=0 skips it)")
+                            "(a first build takes ~20 s; QKROPE_NATIVE=0 skips it)")
             _native.load(timeout=native_wait_s)
         progress.status("measuring copy bandwidth and torch's host time per call")
         bandwidth = copy_bandwidth()

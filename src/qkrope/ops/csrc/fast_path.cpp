@@ -27,12 +27,16 @@
 #include <utility>
 #include <vector>
 
+// The headers of what is used, not <torch/extension.h> (all of ATen's operators and the C++
+// frontend): that halves the build (../_native.py).
+#include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
+#include <ATen/ops/empty.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
+#include <pybind11/pybind11.h>
 #include <torch/csrc/autograd/variable.h>
-#include <torch/extension.h>
 #include <torch/library.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
