@@ -432,14 +432,22 @@ def test_a_patched_model_survives_torch_save_and_deepcopy(monkeypatch):
     with torch.no_grad():
         want = model(**inputs).logits
     buffer = io.BytesIO()
+    saved = model.model.layers[0].self_attn
+    key = saved._qkrope_key
+    # As if saved under a transformers that took the cache from the other keyword: the loaded
+    # layer takes it from this one's (the wrong one would leave the cache unwritten).
+    other = {"cache": "past_key_values", "past_key_values": "cache"}
+    saved._qkrope_key = integ._register(integ._STATIC[key]._replace(
+        cache_kwarg=other[integ._STATIC[key].cache_kwarg]))
     torch.save(model, buffer)
+    saved._qkrope_key = key
     buffer.seek(0)
     monkeypatch.setattr(integ, "_STATIC", {})
     loaded = torch.load(buffer, weights_only=False)
     for copied in (loaded, copy.deepcopy(model)):
         layers = [blk.self_attn for blk in copied.model.layers]
-        assert all(is_patched(m) for m in layers)
-        assert type(layers[0]) is type(model.model.layers[0].self_attn)
+        assert all(is_patched(m) for m in layers) and type(layers[0]) is type(saved)
+        assert [m._qkrope_key for m in layers] == [key, key]
         # the copy's layers read the copy's rotary, not the original's
         assert layers[0]._qkrope_rotary_state is copied.model.rotary_emb._qkrope_state
         with torch.no_grad():

@@ -300,8 +300,22 @@ def _reduce_ex(self, protocol):
 def _setstate(self, state) -> None:
     self._qkrope_base.__setstate__(self, state)
     key = state.get("_qkrope_key")
-    if key is not None:  # an attention layer loaded in another process: its constants again
-        _STATIC.setdefault(key, _Static(*ast.literal_eval(key)))
+    if key is not None:  # an attention layer loaded, maybe in another process: its constants,
+        # the cache keyword that of the transformers installed here
+        static = _Static(*ast.literal_eval(key))
+        self._qkrope_key = _register(static._replace(cache_kwarg=_cache_kwarg(self._qkrope_base)))
+
+
+def _cache_kwarg(cls: type) -> str:
+    """The keyword the stock forward of attention class ``cls`` takes the cache from."""
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
+
+
+def _register(static: _Static) -> str:
+    """``static``'s key in :data:`_STATIC` (its ``repr``, which ``ast.literal_eval`` reads)."""
+    key = repr(tuple(static))
+    _STATIC.setdefault(key, static)
+    return key
 
 
 def patch(model: torch.nn.Module) -> int:
@@ -334,11 +348,7 @@ def patch(model: torch.nn.Module) -> int:
         if reason is not None:
             skipped[reason] = skipped.get(reason, 0) + 1
             continue
-        params = inspect.signature(type(m).forward).parameters
-        static = _Static(**options,
-                         cache_kwarg="cache" if "cache" in params else "past_key_values")
-        key = repr(tuple(static))
-        _STATIC.setdefault(key, static)
+        key = _register(_Static(**options, cache_kwarg=_cache_kwarg(type(m))))
         # A forward on the instance (e.g. an accelerate hook) would shadow the class's: it is
         # what the layer's fallback runs, and is back at unpatch.
         m._qkrope_plan = _Plan(params=tuple(m.parameters()),
