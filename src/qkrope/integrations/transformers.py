@@ -2,9 +2,9 @@
 
 ``patch(model)`` replaces, in every supported attention layer of ``model``, the q_norm + k_norm +
 rotary (+ ``StaticCache`` write) sequence by one qkrope launch; ``unpatch(model)`` restores the
-stock forwards. A patched model stays patched through ``copy.deepcopy`` and
-``torch.save(model)`` / ``torch.load``. Supported attention classes (transformers 5.x; every family tested bit for bit
-against the stock eager model on 5.24 through Triton's interpreter):
+stock forwards (a patched model stays patched through ``copy.deepcopy`` and
+``torch.save(model)`` / ``torch.load``). Supported attention classes (transformers 5.x; every
+family tested bit for bit against the stock eager model on 5.24 through Triton's interpreter):
 
 ==========================================  ==================================================
 family (attention class)                    what the op is told
