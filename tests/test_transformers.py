@@ -527,7 +527,10 @@ def _decode_step_guards(layers: int, patched: bool) -> int:
             step = {"position_ids": torch.full((1, 1), 4, device=DEVICE), **kw}
             torch.compile(model.forward, backend="eager", fullgraph=True)(ids[:, 4:], **step)
             forward = type(model).forward  # transformers' wrappers: the frame dynamo compiled
-            frame = {"args": (model, ids[:, 4:]), "kwargs": step,
+            # (its parameters differ between transformers versions: bound by its signature)
+            bound = inspect.signature(forward, follow_wrapped=False).bind(model, ids[:, 4:], **step)
+            bound.apply_defaults()
+            frame = {**bound.arguments,
                      **{name: cell.cell_contents for name, cell in
                         zip(forward.__code__.co_freevars, forward.__closure__ or ())}}
             entry, = _debug_get_cache_entry_list(forward.__code__)
