@@ -57,7 +57,6 @@ import math
 import numbers
 import sys
 import warnings
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -127,13 +126,6 @@ class _Static(NamedTuple):
 #: fields' once per distinct key, where fields read from each layer would cost guards per layer
 #: on every call of the compiled step (docs/design.md, "Compile route").
 _STATIC: dict[str, _Static] = {}
-
-
-class _Plan(NamedTuple):
-    """A patched layer's objects that only its slow paths read (autograd check, fallback)."""
-
-    params: tuple                # the layer's parameters (autograd check)
-    previous_forward: Callable | None  # a forward set on the instance before patch (a hook)
 
 
 _warned: set[str] = set()
@@ -234,11 +226,7 @@ def _text_rotaries(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
 def _rotary_forward(self, x, position_ids, *args, **kwargs):
     """The text rotary embedding's forward, keeping this forward's positions for the patched
     layers (eager: also the cos it returned, so a layer can tell it got this call's)."""
-    previous = self._qkrope_previous_forward  # a forward set on the instance before patch
-    if previous is None:
-        cos, sin = self._qkrope_base.forward(self, x, position_ids, *args, **kwargs)
-    else:
-        cos, sin = previous(x, position_ids, *args, **kwargs)
+    cos, sin = _stock_forward(self, x, position_ids, *args, **kwargs)
     state = self._qkrope_state
     state["positions"] = position_ids
     # After the stock forward's dynamic update; in fp32 once per forward, not once per layer
@@ -254,10 +242,33 @@ def _rotary_forward(self, x, position_ids, *args, **kwargs):
 
 def _hook_rotary(rotary: torch.nn.Module) -> dict:
     if "_qkrope_state" not in rotary.__dict__:
-        rotary._qkrope_previous_forward = rotary.__dict__.pop("forward", None)
         rotary._qkrope_state = {}
-        rotary.__class__ = _qkrope_class(type(rotary), "rotary")
+        _swap_class(rotary, "rotary")
     return rotary._qkrope_state
+
+
+def _swap_class(m: torch.nn.Module, role: str) -> None:
+    """Make ``m`` an instance of its qkrope class for ``role``. A forward set on the instance
+    (e.g. an accelerate hook) would shadow the class's: it is kept as what
+    :func:`_stock_forward` runs, and is back at unpatch (:func:`_restore_class`)."""
+    m._qkrope_previous_forward = m.__dict__.pop("forward", None)
+    m.__class__ = _qkrope_class(type(m), role)
+
+
+def _restore_class(m: torch.nn.Module) -> None:
+    m.__class__ = m._qkrope_base
+    previous = m.__dict__.pop("_qkrope_previous_forward")
+    if previous is not None:
+        m.forward = previous
+
+
+def _stock_forward(self, *args, **kwargs):
+    """The forward a patched module had before patch: the one set on the instance, else its
+    stock class's."""
+    previous = self._qkrope_previous_forward
+    if previous is None:
+        return self._qkrope_base.forward(self, *args, **kwargs)
+    return previous(*args, **kwargs)
 
 
 _CLASSES: dict[tuple[type, str], type] = {}
@@ -348,14 +359,10 @@ def patch(model: torch.nn.Module) -> int:
         if reason is not None:
             skipped[reason] = skipped.get(reason, 0) + 1
             continue
-        key = _register(_Static(**options, cache_kwarg=_cache_kwarg(type(m))))
-        # A forward on the instance (e.g. an accelerate hook) would shadow the class's: it is
-        # what the layer's fallback runs, and is back at unpatch.
-        m._qkrope_plan = _Plan(params=tuple(m.parameters()),
-                               previous_forward=m.__dict__.pop("forward", None))
-        m._qkrope_key = key
+        m._qkrope_key = _register(_Static(**options, cache_kwarg=_cache_kwarg(type(m))))
+        m._qkrope_params = tuple(m.parameters())  # the autograd check's (_call_reason)
         m._qkrope_rotary_state = _hook_rotary(rotary)
-        m.__class__ = _qkrope_class(type(m), "attention")
+        _swap_class(m, "attention")
         patched += 1
     for reason, n in skipped.items():
         warnings.warn(f"qkrope.patch: {n} of {len(attention)} attention layers keep the stock "
@@ -369,24 +376,18 @@ def unpatch(model: torch.nn.Module) -> int:
     n = 0
     for m in model.modules():
         if is_patched(m):
-            _restore_class(m, m._qkrope_plan.previous_forward)
-            del m._qkrope_plan, m._qkrope_key, m._qkrope_rotary_state
+            _restore_class(m)
+            del m._qkrope_key, m._qkrope_params, m._qkrope_rotary_state
             n += 1
         if "_qkrope_state" in m.__dict__:
-            _restore_class(m, m.__dict__.pop("_qkrope_previous_forward"))
+            _restore_class(m)
             del m._qkrope_state
     return n
 
 
-def _restore_class(m: torch.nn.Module, previous_forward: Callable | None) -> None:
-    m.__class__ = m._qkrope_base
-    if previous_forward is not None:
-        m.forward = previous_forward  # e.g. an accelerate hook that was there before patch
-
-
 def is_patched(module: torch.nn.Module) -> bool:
     """Whether ``module`` is an attention layer that :func:`patch` routed through qkrope."""
-    return "_qkrope_plan" in module.__dict__
+    return "_qkrope_key" in module.__dict__
 
 
 def patch_qwen3(model: torch.nn.Module) -> int:
@@ -407,7 +408,7 @@ def _call_reason(self, hidden_states, position_embeddings) -> str | None:
     if self.training:
         return "the module is training (the op has no backward, and no dropout)"
     if torch.is_grad_enabled() and (hidden_states.requires_grad or any(
-            p.requires_grad for p in self._qkrope_plan.params)):
+            p.requires_grad for p in self._qkrope_params)):
         return "autograd is recording (the op has no backward; use torch.no_grad())"
     state = self._qkrope_rotary_state
     if "positions" not in state:
@@ -557,8 +558,5 @@ def _local(weight: torch.Tensor) -> torch.Tensor:
 def _stock(self, static: _Static, reason: str, hidden_states, position_embeddings,
            attention_mask, cache, kwargs):
     _warn_call_once(reason)
-    args, kw = (hidden_states, position_embeddings, attention_mask), {static.cache_kwarg: cache}
-    previous = self._qkrope_plan.previous_forward
-    if previous is not None:
-        return previous(*args, **kw, **kwargs)
-    return self._qkrope_base.forward(self, *args, **kw, **kwargs)
+    return _stock_forward(self, hidden_states, position_embeddings, attention_mask,
+                          **{static.cache_kwarg: cache}, **kwargs)
