@@ -354,16 +354,25 @@ def test_autograd_training_and_foreign_position_embeddings_fall_back():
         model(ids)
     model.eval()
 
-    # A layer called on its own, with position embeddings its model's rotary did not make.
+    # A layer called on its own: no positions of a forward (the last layer released them).
     attn = model.model.layers[0].self_attn
     h = torch.randn(1, 3, TEXT["hidden_size"], device=DEVICE, dtype=torch.bfloat16)
     cos = torch.ones(1, 3, 64, device=DEVICE, dtype=torch.bfloat16)
     with torch.no_grad():
-        with pytest.warns(FallbackWarning, match="position_embeddings were not computed"):
+        with pytest.warns(FallbackWarning, match="rotary embedding has not run"):
             out, _ = attn(h, (cos, torch.zeros_like(cos)), None)
+        # In a forward, with position embeddings its model's rotary did not make.
+        other = torch.ones(1, ids.shape[1], 64, device=DEVICE, dtype=torch.bfloat16)
+        foreign = attn.register_forward_pre_hook(
+            lambda mod, args, kwargs: (args, {**kwargs, "position_embeddings": (
+                other, torch.zeros_like(other))}), with_kwargs=True)
+        with pytest.warns(FallbackWarning, match="position_embeddings were not computed"):
+            got = model(ids).logits
         unpatch(model)
-        want, _ = attn(h, (cos, torch.zeros_like(cos)), None)
-    assert torch.equal(out, want)
+        want = model(ids).logits
+        foreign.remove()
+        want_out, _ = attn(h, (cos, torch.zeros_like(cos)), None)
+    assert torch.equal(out, want_out) and torch.equal(got, want)
 
 
 def test_patch_is_idempotent_and_the_old_names_still_work():
@@ -434,6 +443,7 @@ def test_a_patched_model_survives_torch_save_and_deepcopy(monkeypatch):
     buffer = io.BytesIO()
     saved = model.model.layers[0].self_attn
     key = saved._qkrope_key
+    keys = [blk.self_attn._qkrope_key for blk in model.model.layers]
     # As if saved under a transformers that took the cache from the other keyword: the loaded
     # layer takes it from this one's (the wrong one would leave the cache unwritten).
     other = {"cache": "past_key_values", "past_key_values": "cache"}
@@ -447,7 +457,7 @@ def test_a_patched_model_survives_torch_save_and_deepcopy(monkeypatch):
     for copied in (loaded, copy.deepcopy(model)):
         layers = [blk.self_attn for blk in copied.model.layers]
         assert all(is_patched(m) for m in layers) and type(layers[0]) is type(saved)
-        assert [m._qkrope_key for m in layers] == [key, key]
+        assert [m._qkrope_key for m in layers] == keys
         # the copy's layers read the copy's rotary, not the original's
         assert layers[0]._qkrope_rotary_state is copied.model.rotary_emb._qkrope_state
         with torch.no_grad():
@@ -506,6 +516,16 @@ def test_patched_decode_step_compiles_into_one_graph(family):
     assert sum(n.target is op for n in graphs[0].graph.nodes) == n_attn
     assert torch.equal(tokens, eager_tokens)
     assert_same_cache(cache, eager_cache)
+    # No output beyond stock's: whatever the patch leaves in its state that the graph made
+    # would be returned by the graph and rebuilt on every CUDA-graph replay (design.md,
+    # "Compile route").
+    unpatch(model)
+    try:
+        decode(torch.compile(model.forward, backend=backend, fullgraph=True))
+    finally:
+        torch._dynamo.reset()
+    stock, patched = (len(g.graph.output_node().args[0]) for g in graphs[::-1][:2])
+    assert patched == stock
 
 
 def _decode_step_guards(layers: int, patched: bool) -> int:

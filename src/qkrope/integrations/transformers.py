@@ -119,6 +119,11 @@ class _Static(NamedTuple):
     mrope_section: tuple | None  # (T, H, W) frequency counts, interleaved
     eps: float
     cache_kwarg: str             # "cache" (5.24) or "past_key_values" (earlier 5.x)
+    # The last patched layer of its rotary embedding: it empties the rotary's state (what the
+    # rotary left for the layers of this forward). Under torch.compile a tensor the graph made
+    # and left there would be returned by the graph and rebuilt on every CUDA-graph replay;
+    # in eager it would outlive the forward (docs/design.md, "Compile route").
+    clears_state: bool = False
 
 
 #: Every patched layer's constants, by its key (``_qkrope_key``). Under torch.compile a layer's
@@ -364,6 +369,12 @@ def patch(model: torch.nn.Module) -> int:
         m._qkrope_rotary_state = _hook_rotary(rotary)
         _swap_class(m, "attention")
         patched += 1
+    # Layers run in module order (a layer after the one that clears would fall back, not err).
+    last = {id(m._qkrope_rotary_state): m for m in attention if is_patched(m)}
+    for m in attention:
+        if is_patched(m):
+            clears = last[id(m._qkrope_rotary_state)] is m
+            m._qkrope_key = _register(_STATIC[m._qkrope_key]._replace(clears_state=clears))
     for reason, n in skipped.items():
         warnings.warn(f"qkrope.patch: {n} of {len(attention)} attention layers keep the stock "
                       f"forward: {reason}", FallbackWarning, stacklevel=2)
@@ -403,14 +414,14 @@ def unpatch_qwen3(model: torch.nn.Module) -> int:
 # --------------------------------------------------------------------------------------------
 # call time
 # --------------------------------------------------------------------------------------------
-def _call_reason(self, hidden_states, position_embeddings) -> str | None:
-    """Why this call must take the stock forward (cheap checks, no device sync), or None."""
+def _call_reason(self, state: dict, hidden_states, position_embeddings) -> str | None:
+    """Why this call must take the stock forward (cheap checks, no device sync), or None.
+    ``state``: what the rotary embedding left in this forward."""
     if self.training:
         return "the module is training (the op has no backward, and no dropout)"
     if torch.is_grad_enabled() and (hidden_states.requires_grad or any(
             p.requires_grad for p in self._qkrope_params)):
         return "autograd is recording (the op has no backward; use torch.no_grad())"
-    state = self._qkrope_rotary_state
     if "positions" not in state:
         return "the model's rotary embedding has not run (no positions for this forward)"
     if not torch.compiler.is_compiling() and (
@@ -428,7 +439,10 @@ def _fused_forward(self, hidden_states, position_embeddings=None, attention_mask
     forward (a ``cache=`` given to a 5.17 model is ignored there, so it is here)."""
     static = _STATIC[self._qkrope_key]
     cache = kwargs.pop(static.cache_kwarg, None)
-    reason = _call_reason(self, hidden_states, position_embeddings)
+    state = dict(self._qkrope_rotary_state)  # this forward's, read before it is emptied
+    if static.clears_state:
+        self._qkrope_rotary_state.clear()
+    reason = _call_reason(self, state, hidden_states, position_embeddings)
     if reason is not None:
         return _stock(self, static, reason, hidden_states, position_embeddings, attention_mask,
                       cache, kwargs)
@@ -448,7 +462,7 @@ def _fused_forward(self, hidden_states, position_embeddings=None, attention_mask
     value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
 
     try:
-        query, key, keys, values = _prologue(self, static, query, key, value, cache)
+        query, key, keys, values = _prologue(self, static, state, query, key, value, cache)
     except (TypeError, ValueError) as err:  # the op's checks: nothing was written
         return _stock(self, static, f"the op rejected it: {err}", hidden_states,
                       position_embeddings, attention_mask, cache, kwargs)
@@ -471,12 +485,11 @@ def _fused_forward(self, hidden_states, position_embeddings=None, attention_mask
     return self.o_proj(attn_output), attn_weights
 
 
-def _prologue(self, static: _Static, query, key, value, cache):
+def _prologue(self, static: _Static, state: dict, query, key, value, cache):
     """The op on one layer's projections: ``(query_rotated, key_rotated, keys, values)``. With
     a plain ``StaticLayer`` it writes the new rows there and returns the layer's whole tensors
     as ``keys, values``; otherwise it writes nothing and they are None. Raises the op's
     TypeError / ValueError before any state changes."""
-    state = self._qkrope_rotary_state  # what the rotary embedding left in this forward
     positions = state["positions"]
     if static.mrope_section is not None:
         positions = positions.expand(3, -1, -1)  # as the rotary module does: [3, B, S]
