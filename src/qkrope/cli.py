@@ -9,7 +9,7 @@ import os
 import sys
 
 from .bench import quant
-from .bench.e2e import MODES, PHASES, PRESETS
+from .bench.e2e import MODES, PHASES, PRESETS, STEPS
 from .bench.runner import NATIVE_WAIT_S, InputsTooLarge, ProgressBar, sweep_workloads
 from .suite import (
     MODELS, PAGED_SUITE, REDUCED_MAX_BATCH, REDUCED_MAX_SEQ, SUITE, Workload, reduced_geometry,
@@ -231,9 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"phases, of {','.join(PHASES)} (default: both)")
     e.add_argument("--layers", type=_positive_int, default=4, metavar="N",
                    help="decoder layers of the model (default 4; 2 without a GPU)")
-    e.add_argument("--steps", type=_positive_int, default=20, metavar="N",
-                   help="timed decode steps (prefills: N // 4, at least 3) after 5 warm-up "
-                        "steps (default 20; 3 after 2 without a GPU)")
+    e.add_argument("--steps", type=_positive_int, default=STEPS, metavar="N",
+                   help="timed decode steps (prefills: N // 6, at least 3) after 5 warm-up "
+                        f"steps (default {STEPS}; 3 after 2 without a GPU)")
     e.add_argument("--prefill-len", type=_positive_int, default=512, metavar="S",
                    help="prefill tokens per sequence (default 512; 24 without a GPU)")
 
