@@ -7,10 +7,11 @@ sequence after a prompt) and a prefill of ``prefill_len`` tokens, in four modes:
 ``model.generate(..., cache_implementation="static")``, which compiles the decode step itself.
 Each figure is wall time per step with the device synchronised, so host time counts.
 
-Stock and patched run interleaved, step by step, each with its own cache, so a drift of the
-machine's speed hits both alike. Beside each speed-up (the ratio of the median times), a 95%
-interval from resampling those step pairs (:func:`speedup_interval`): a cell whose interval
-holds 1.0 is a tie within this run's noise.
+Stock and patched run interleaved, in blocks of :data:`BLOCK` steps, each with its own cache
+and its own compiled code, so a drift of the machine's speed hits both alike. Beside each
+speed-up (the ratio of the median times), a 95% interval from resampling the pairs of i-th
+steps (:func:`speedup_interval`): a cell whose interval holds 1.0 is a tie within this run's
+noise.
 
 Correctness: random weights give near-ties, so greedy tokens alone prove nothing. Both
 variants are fed the same fixed token stream (teacher forcing) and their last logits are
@@ -60,6 +61,12 @@ GENERATE_TOKENS = (8, 72)  # generate() lengths whose time difference gives the 
 #: is a median ratio of ~1.00-1.05 in the CUDA-graph modes, where 20 pairs left a 95% interval
 #: of about ±2%; decode steps cost ms, the compiles dominate a cell's time.
 STEPS = 60
+#: Timed steps run in blocks of this many per variant, the variants alternating: a drift of the
+#: machine's speed still hits both alike, and 9 steps in 10 follow a step of their own variant,
+#: as every step does in a user's process. Switching variants costs host time no such process
+#: spends (another compiled entry's guards, another CUDA-graph tree's memory state); step by
+#: step, every step paid it, unequally (docs/perf-notes.md, lead 5).
+BLOCK = 10
 GENERATE_ROUNDS = 9  # per-token times per variant (median): the host's speed drifts by 10-15%
 
 
@@ -226,8 +233,9 @@ def _generate(model, prompt, device: str, compiled: bool, n: int):
 def speedup_interval(stock: Sequence[float], patched: Sequence[float], resamples: int = 2000,
                      level: float = 0.95) -> tuple[float, float] | None:
     """Percentile bootstrap interval of ``median(stock) / median(patched)``. The i-th times of
-    both variants ran back to back (a step each, or a round of generate()), so pairs are
-    resampled together: a drift of the machine's speed moves both. None under 3 pairs."""
+    both variants ran close in time (in one pair of blocks, or one round of generate()), so
+    pairs are resampled together: a drift of the machine's speed moves both. None under 3
+    pairs."""
     import random
 
     n = min(len(stock), len(patched))
@@ -254,7 +262,7 @@ EAGER_ULPS = 4
 
 def _measure(model, patch_fns, cell: Cell, stream, steps, warmup, device,
              references: dict) -> None:
-    """Fill ``cell``: stock and patched in its mode, interleaved step by step (so a drift of
+    """Fill ``cell``: stock and patched in its mode, interleaved in blocks (so a drift of
     the machine's speed hits both alike), against the stock eager model (run once per preset,
     batch and phase: ``references``)."""
     patch, unpatch = patch_fns
@@ -310,14 +318,17 @@ def _measure(model, patch_fns, cell: Cell, stream, steps, warmup, device,
                                        cell.phase, device, cudagraphs)
             n = warmup + steps if cell.phase == "decode" else min(warmup, 2) + max(3, steps // 6)
             first_timed = warmup if cell.phase == "decode" else min(warmup, 2)
-            for i in range(n):
-                if i == first_timed:
-                    counts = _counters()
+            pos = (lambda i: i) if cell.phase == "decode" else (lambda i: 0)
+            for i in range(first_timed):  # warm-up: both variants compile and record
                 for v in variants:
                     use(v)
-                    t = steppers[v].step(i if cell.phase == "decode" else 0)
-                    if i >= first_timed:
-                        times[v].append(t)
+                    steppers[v].step(pos(i))
+            counts = _counters()
+            for start in range(first_timed, n, BLOCK):
+                for v in variants:
+                    use(v)
+                    times[v] += [steppers[v].step(pos(i))
+                                 for i in range(start, min(n, start + BLOCK))]
             last = {v: ([steppers[v].logits], None) for v in variants}
     finally:
         unpatch(model)
