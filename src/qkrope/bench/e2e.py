@@ -65,7 +65,7 @@ STEPS = 60
 #: machine's speed still hits both alike, and 9 steps in 10 follow a step of their own variant,
 #: as every step does in a user's process. Switching variants costs host time no such process
 #: spends (another compiled entry's guards, another CUDA-graph tree's memory state); step by
-#: step, every step paid it, unequally (docs/perf-notes.md, lead 5).
+#: step, every step paid it, unequally (docs/perf-notes.md, lead 5 g).
 BLOCK = 10
 GENERATE_ROUNDS = 9  # per-token times per variant (median): the host's speed drifts by 10-15%
 
@@ -161,8 +161,8 @@ def _forward(model, mode: str, device: str) -> Callable:
     """``model.forward`` for ``mode``: compiled, on a code object of its own. Dynamo keeps a
     frame's compiled entries per code object: compiled from the one method, the variants would
     share a list, and every step (they alternate) would first run the other variant's guards
-    and fail, host time no user's process spends; the patched variant's failing pass was the
-    longer one (docs/perf-notes.md, lead 5)."""
+    and fail, host time no user's process spends (on the CPU the patched variant's failing
+    pass was the longer one: docs/perf-notes.md, lead 5 g)."""
     if mode == "eager":
         return model.forward
     fn = model.forward.__func__
