@@ -356,23 +356,30 @@ def test_autograd_training_and_foreign_position_embeddings_fall_back():
 
     # A layer called on its own: no positions of a forward (the last layer released them).
     attn = model.model.layers[0].self_attn
-    h = torch.randn(1, 3, TEXT["hidden_size"], device=DEVICE, dtype=torch.bfloat16)
-    cos = torch.ones(1, 3, 64, device=DEVICE, dtype=torch.bfloat16)
+    # (as long as the prompt: positions left over from the forward above would fit)
+    h = torch.randn(1, ids.shape[1], TEXT["hidden_size"], device=DEVICE, dtype=torch.bfloat16)
+    cos = torch.ones(1, ids.shape[1], 64, device=DEVICE, dtype=torch.bfloat16)
     with torch.no_grad():
         with pytest.warns(FallbackWarning, match="rotary embedding has not run"):
             out, _ = attn(h, (cos, torch.zeros_like(cos)), None)
+        # The same compiled, where the eager check of the cos is not traced: no stale positions.
+        try:
+            compiled, _ = torch.compile(attn, backend="eager")(h, (cos, torch.zeros_like(cos)),
+                                                               None)
+        finally:
+            torch._dynamo.reset()
         # In a forward, with position embeddings its model's rotary did not make.
-        other = torch.ones(1, ids.shape[1], 64, device=DEVICE, dtype=torch.bfloat16)
         foreign = attn.register_forward_pre_hook(
             lambda mod, args, kwargs: (args, {**kwargs, "position_embeddings": (
-                other, torch.zeros_like(other))}), with_kwargs=True)
+                cos, torch.zeros_like(cos))}), with_kwargs=True)
         with pytest.warns(FallbackWarning, match="position_embeddings were not computed"):
             got = model(ids).logits
         unpatch(model)
         want = model(ids).logits
         foreign.remove()
         want_out, _ = attn(h, (cos, torch.zeros_like(cos)), None)
-    assert torch.equal(out, want_out) and torch.equal(got, want)
+    assert torch.equal(out, want_out) and torch.equal(compiled, want_out)
+    assert torch.equal(got, want)
 
 
 def test_patch_is_idempotent_and_the_old_names_still_work():
