@@ -374,12 +374,16 @@ def test_autograd_training_and_foreign_position_embeddings_fall_back():
                 cos, torch.zeros_like(cos))}), with_kwargs=True)
         with pytest.warns(FallbackWarning, match="position_embeddings were not computed"):
             got = model(ids).logits
+        try:  # the same check compiled (it once held in eager only)
+            got_compiled = torch.compile(model, backend="eager")(ids).logits
+        finally:
+            torch._dynamo.reset()
         unpatch(model)
         want = model(ids).logits
         foreign.remove()
         want_out, _ = attn(h, (cos, torch.zeros_like(cos)), None)
     assert torch.equal(out, want_out) and torch.equal(compiled, want_out)
-    assert torch.equal(got, want)
+    assert torch.equal(got, want) and torch.equal(got_compiled, want)
 
 
 def test_patch_is_idempotent_and_the_old_names_still_work():
@@ -700,7 +704,7 @@ def test_input_gradients_of_a_frozen_model_equal_stock():
     patch(model)
     with pytest.warns(FallbackWarning, match="autograd is recording"):
         got = input_grad()
-    assert torch.equal(got, want)
+    assert torch.equal(got, want) and torch.equal(got_compiled, want)
 
 
 def test_cache_comes_from_the_stock_keyword_only():

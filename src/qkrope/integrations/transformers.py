@@ -230,7 +230,7 @@ def _text_rotaries(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
 
 def _rotary_forward(self, x, position_ids, *args, **kwargs):
     """The text rotary embedding's forward, keeping this forward's positions for the patched
-    layers (eager: also the cos it returned, so a layer can tell it got this call's)."""
+    layers, and the cos it returned, so a layer can tell it got this call's."""
     cos, sin = _stock_forward(self, x, position_ids, *args, **kwargs)
     state = self._qkrope_state
     state["positions"] = position_ids
@@ -240,8 +240,8 @@ def _rotary_forward(self, x, position_ids, *args, **kwargs):
     inv_freq = self.inv_freq
     state["inv_freq"] = inv_freq if inv_freq.dtype == torch.float32 else inv_freq.float()
     state["scale"] = self.attention_scaling  # read here, once per forward, not in every layer
-    # Under torch.compile the cos would become an extra graph output: kept in eager only.
-    state["cos"] = None if torch.compiler.is_compiling() else cos
+    # (No extra graph output under torch.compile: the last patched layer empties the state.)
+    state["cos"] = cos
     return cos, sin
 
 
@@ -424,8 +424,7 @@ def _call_reason(self, state: dict, hidden_states, position_embeddings) -> str |
         return "autograd is recording (the op has no backward; use torch.no_grad())"
     if "positions" not in state:
         return "the model's rotary embedding has not run (no positions for this forward)"
-    if not torch.compiler.is_compiling() and (
-            position_embeddings is None or position_embeddings[0] is not state["cos"]):
+    if position_embeddings is None or position_embeddings[0] is not state["cos"]:
         return ("position_embeddings were not computed by the model's rotary embedding in this "
                 "forward")
     return None
