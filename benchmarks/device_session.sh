@@ -24,6 +24,9 @@
 #   bash benchmarks/device_session.sh partial-freqs # variant partial_rotary_freqs: GPU tests, A/B on qwen3.5
 #   bash benchmarks/device_session.sh fp8-stores # variants fma_division, satfinite_store, fp8_stores:
 #                                                  # FP8 GPU tests, static-scale FP8 modes A/B
+#   bash benchmarks/device_session.sh e2e-ab SRC [ARGS] # e2e cells, another tree's src/ (e.g. a
+#                                                  # carried `git archive REV src` copy) against
+#                                                  # the working tree, alternating (~5 min)
 #   bash benchmarks/device_session.sh route [PRESET] # the op's C++ compile route: its GPU tests,
 #                                                  # host times, e2e_profile, e2e compile mode (~8 min)
 # What needs no GPU runs here instead: python benchmarks/compile_sm90.py (benchmarks/README.md).
@@ -162,5 +165,18 @@ case "${1:-tests}" in
     tail -7 "$OUT/e2e-profile.md"
     timeout 180 python3 -m qkrope bench --e2e --model "${2:-qwen3-8b}" --modes compile \
       --json "$OUT/e2e-compile.json" 2>&1 | tee "$OUT/e2e-compile.md" | tail -9 ;;
+  e2e-ab) # the working tree against another tree's src/ (PYTHONPATH first), runs alternating
+         # old, new, new, old while under 5 minutes; a cell's ratio is interleaved within a run
+    src=$(realpath "${2:?usage: device_session.sh e2e-ab SRC [qkrope bench --e2e ARGS]}")
+    args=("${@:3}"); [ ${#args[@]} -eq 0 ] && args=(--model qwen3-8b --modes
+      reduce-overhead,compile --phases decode --batch 1)
+    t0=$(date +%s)
+    for tree in other this this other; do
+      [ $(( $(date +%s) - t0 )) -gt 300 ] && break
+      p=${PYTHONPATH:-}; [ $tree = other ] && p=$src${PYTHONPATH:+:$PYTHONPATH}
+      PYTHONPATH=$p timeout 200 python3 -m qkrope bench --e2e "${args[@]}" > /tmp/ab-run.md 2>&1
+      echo "$tree rc=$? t=$(( $(date +%s) - t0 ))s" | tee -a "$OUT/e2e-ab.md"
+      grep -E "^\| [a-z]" /tmp/ab-run.md | grep -v "^| preset" | tee -a "$OUT/e2e-ab.md"
+    done ;;
   *) echo "unknown step $1" >&2; exit 2 ;;
 esac
