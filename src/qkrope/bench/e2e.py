@@ -318,17 +318,15 @@ def _measure(model, patch_fns, cell: Cell, stream, steps, warmup, device,
                                        cell.phase, device, cudagraphs)
             n = warmup + steps if cell.phase == "decode" else min(warmup, 2) + max(3, steps // 6)
             first_timed = warmup if cell.phase == "decode" else min(warmup, 2)
-            pos = (lambda i: i) if cell.phase == "decode" else (lambda i: 0)
             for i in range(first_timed):  # warm-up: both variants compile and record
                 for v in variants:
                     use(v)
-                    steppers[v].step(pos(i))
+                    steppers[v].step(i)
             counts = _counters()
             for start in range(first_timed, n, BLOCK):
                 for v in variants:
                     use(v)
-                    times[v] += [steppers[v].step(pos(i))
-                                 for i in range(start, min(n, start + BLOCK))]
+                    times[v] += [steppers[v].step(i) for i in range(start, min(n, start + BLOCK))]
             last = {v: ([steppers[v].logits], None) for v in variants}
     finally:
         unpatch(model)

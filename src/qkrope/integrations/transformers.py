@@ -438,8 +438,9 @@ def _fused_forward(self, hidden_states, position_embeddings=None, attention_mask
     forward (a ``cache=`` given to a 5.17 model is ignored there, so it is here)."""
     static = _STATIC[self._qkrope_key]
     cache = kwargs.pop(static.cache_kwarg, None)
-    state = dict(self._qkrope_rotary_state)  # this forward's, read before it is emptied
-    if static.clears_state:
+    state = self._qkrope_rotary_state  # what the rotary embedding left in this forward
+    if static.clears_state:  # the last layer: a copy to read, the state emptied
+        state = dict(state)
         self._qkrope_rotary_state.clear()
     reason = _call_reason(self, state, hidden_states, position_embeddings)
     if reason is not None:
