@@ -38,6 +38,47 @@ def test_compile_no_mutation_mode():
     assert torch.equal(args[4], kc0) and not torch.equal(out[2], kc0)
 
 
+def _graph_counter():
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    return graphs, backend
+
+
+@pytest.mark.parametrize("entry", ["bhsd", "paged"])
+def test_dynamic_shapes_compile_one_graph_for_every_length(entry):
+    # torch.compile(dynamic=True), or the automatic dynamic shapes a second prefill length
+    # turns on: the checks must judge symbolic sizes without pinning them (one graph for every
+    # length, as for the stock model) and take scalar options that arrive as symbols (passed
+    # to the compiled function: dynamic=True traces ints and floats as symbols too).
+    from test_qknorm_rope import PCase, make
+
+    graphs, backend = _graph_counter()
+    torch._dynamo.reset()
+    if entry == "bhsd":
+        f = torch.compile(lambda *a, eps, rot: op(*a[:10], eps, rotary_dim=rot), backend=backend,
+                          fullgraph=True, dynamic=True)
+    else:
+        f = torch.compile(lambda *a, eps, rot: qkrope.fused_qk_norm_rope_paged(
+            *a[:10], eps, rotary_dim=rot), backend=backend, fullgraph=True, dynamic=True)
+    for n in (5, 7, 12):
+        if entry == "bhsd":
+            args = make_inputs(Case(S=n, seed=n))
+            ref = qkrope.reference(*args, rotary_dim=64, inplace=False)
+        else:
+            args, _ = make(PCase(T=n, seed=n))
+            ref = qkrope.reference_paged(*args, rotary_dim=64)
+        out = f(*args, eps=args[10], rot=64)
+        for o, r in zip(out, ref):
+            assert torch.equal(o, r), n
+    assert len(graphs) == 1
+    # A scalar option is part of the op's specialisation: another value compiles again.
+    f(*args, eps=1e-5, rot=64)
+    assert len(graphs) == 2
+
+
 def test_opcheck():
     args = make_inputs(Case(S=3, seed=5))
     outs = (torch.empty_like(args[0]), torch.empty_like(args[1]))

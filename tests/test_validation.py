@@ -1,10 +1,16 @@
 """Bad input gets a clear TypeError/ValueError naming the argument and what was expected."""
 
+import math
+import struct
+
 import pytest
 import torch
 from helpers import DEVICE, Case, make_inputs
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import qkrope
+from qkrope.ops.qknorm_rope.checks import _as_float32
 
 NAMES = ["query", "key", "value", "position_ids", "key_cache", "value_cache", "cache_position",
          "q_norm_weight", "k_norm_weight", "inv_freq", "rms_norm_eps"]
@@ -75,6 +81,20 @@ def test_bad_option_is_named(options, exc, words):
 def test_rms_norm_eps_must_be_a_float32_value(eps):
     with pytest.raises(ValueError, match="rms_norm_eps must be"):
         call(args_with(rms_norm_eps=eps))
+
+
+@settings(max_examples=3000, deadline=None)
+@given(st.floats(allow_nan=False) | st.floats(-2.0**-120, 2.0**-120)
+       | st.integers(-(2**24), 2**24).map(lambda m: m * 2.0**-150))  # ties of subnormals
+def test_float32_rounding_of_scalars_is_cs(x):
+    # The checks' float32 rounding (plain arithmetic, so torch.compile can trace it) is C's
+    # (float)x, as struct gives it: nearest even, subnormals, -0, overflow to inf.
+    try:
+        want = struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        want = math.copysign(math.inf, x)
+    got = _as_float32(x)
+    assert got == want and math.copysign(1, got) == math.copysign(1, want), (x, got, want)
 
 
 def test_float32_edges_are_accepted():

@@ -554,9 +554,11 @@ def _check_room(layer: StaticLayer, seq_len: int) -> None:
     if seq_len > room:
         raise IndexError(f"qkrope: {seq_len} new tokens do not fit a StaticCache of "
                          f"max_cache_len={room}; make the cache larger")
+    # (The message leaves seq_len out: under torch.compile formatting it would pin a symbolic
+    # prefill length, a recompile per length.)
     torch._assert_async(layer.cumulative_length <= room - seq_len,
-                        f"qkrope: StaticCache overflow: writing {seq_len} rows past "
-                        f"max_cache_len={room}; make the cache larger")
+                        f"qkrope: StaticCache overflow: writing rows past max_cache_len={room}; "
+                        f"make the cache larger")
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:

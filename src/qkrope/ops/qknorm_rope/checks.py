@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-import struct
+import operator
 from typing import NamedTuple
 
 import torch
@@ -82,11 +82,29 @@ def tensor_arg(name: str, x, rank: int | tuple[int, ...], dtypes) -> torch.Tenso
 
 
 def _shape(name: str, x: torch.Tensor, expected: tuple[int, ...], what: str) -> None:
-    if tuple(x.shape) != tuple(expected):
+    # Size by size: under torch.compile, Dynamo compares two tuples of sizes as constants,
+    # which would pin every symbolic size (a recompile per prefill length).
+    if x.dim() != len(expected) or any(a != b for a, b in zip(x.shape, expected)):
         raise ValueError(f"{name} must have shape {list(expected)} ({what}), got {list(x.shape)}")
 
 
+def static_scalar(x):
+    """``x``, a constant of the graph where torch.compile traces it. A Python int or float
+    argument of a compiled function may be traced as a symbol (``dynamic=True``, or once its
+    value changed between calls), which the checks cannot judge and the options string cannot
+    hold; the op's scalar options are part of its specialisation anyway (the plan, the checks),
+    so they are made constants, a guard on their value (docs/design.md, "Compile route")."""
+    if torch.compiler.is_compiling():
+        # The forms Dynamo specialises a symbol by (int() and float() keep it symbolic).
+        if type(x) is float:
+            return x.__float__()
+        if type(x) is int:
+            return operator.index(x)
+    return x
+
+
 def _real(name: str, x) -> float:
+    x = static_scalar(x)
     if isinstance(x, bool) or not isinstance(x, numbers.Real):
         raise TypeError(f"{name} must be a Python float, got {type(x).__name__}")
     if not math.isfinite(x):
@@ -100,11 +118,19 @@ FP32_TINY = 2.0**-126
 
 
 def _as_float32(x: float) -> float:
-    """``x`` rounded to float32 (nearest even), +-inf beyond float32's range."""
-    try:
-        return struct.unpack("f", struct.pack("f", x))[0]
-    except OverflowError:
+    """``x`` rounded to float32 (nearest even; subnormals as float32 has them), +-inf beyond
+    float32's range. Plain arithmetic, not ``struct``: the checks run while torch.compile
+    traces the public function, and Dynamo's ``struct.pack`` recurses without end under
+    ``dynamic=True`` (torch 2.13)."""
+    if x == 0 or not math.isfinite(x):
+        return x
+    m, e = math.frexp(x)  # x = m * 2**e, 0.5 <= |m| < 1
+    if e > 128:  # |x| >= 2**128
         return math.copysign(math.inf, x)
+    bits = min(24, e + 149)  # float32's significand: 24 bits, fewer below 2**-126
+    # |m| * 2**bits is exact; round() is half to even; ldexp exact, or 0 below 2**-149
+    y = math.ldexp(round(math.ldexp(abs(m), bits)), e - bits)
+    return math.copysign(math.inf if y > FP32_MAX else y, x)
 
 
 def _fp32(name: str, x: float) -> float:
@@ -143,16 +169,17 @@ def _check_options(opts: Options, D: int) -> Options:
     if scale <= 0:
         raise ValueError(f"cos_sin_scale must be > 0, got {scale}")
     _fp32("cos_sin_scale", scale)
-    rot = D if opts.rotary_dim is None else opts.rotary_dim
+    rot = static_scalar(D if opts.rotary_dim is None else opts.rotary_dim)
     if isinstance(rot, bool) or not isinstance(rot, int) or not (2 <= rot <= D and rot % 2 == 0):
         raise ValueError(f"rotary_dim must be an even int in [2, head_dim={D}], got "
                          f"{opts.rotary_dim!r}")
     section = opts.mrope_section
     if section is not None:
         try:
-            section = tuple(int(s) for s in section)
+            given = tuple(static_scalar(s) for s in section)
+            section = tuple(int(s) for s in given)
             ok = len(section) == 3 and all(s >= 0 for s in section) and all(
-                type(s) is not bool and int(s) == s for s in opts.mrope_section)
+                type(s) is not bool and int(s) == s for s in given)
         except (TypeError, ValueError):
             ok = False
         if not ok or sum(section) != rot // 2:
@@ -194,6 +221,7 @@ def scale_tensor(name: str, scale, users: dict, heads: int, heads_name: str):
     if scale is None:
         raise ValueError(f"{name} is required for a {_FP8} {' and '.join(fp8)} (stored "
                          f"= saturate(x / {name}))")
+    scale = static_scalar(scale)
     if isinstance(scale, numbers.Real) and not isinstance(scale, bool):
         if not (math.isfinite(scale) and scale > 0):
             raise ValueError(f"{name} must be finite and > 0, got {scale}")
@@ -203,7 +231,8 @@ def scale_tensor(name: str, scale, users: dict, heads: int, heads_name: str):
         return scalar_on(float(scale), device)
     if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32:
         raise TypeError(f"{name} must be a Python float or a float32 tensor")
-    if scale.dim() > 1 or scale.numel() not in (1, heads) or scale.device != device:
+    if scale.dim() > 1 or (scale.numel() != 1 and scale.numel() != heads) or \
+            scale.device != device:
         raise ValueError(f"{name} must be a 0-d or 1-d tensor of 1 or {heads_name}={heads} "
                          f"elements on {device}, got shape {list(scale.shape)} on "
                          f"{scale.device}")
@@ -277,19 +306,24 @@ def _check_common(query, key, value, key_cache, value_cache, q_norm_weight, k_no
 
 
 def _positions(name: str, positions, tokens: tuple[int, ...], opts: Options, what: str) -> None:
-    """positions: ``tokens`` shape, or [3, *tokens] with mRoPE (a leading 1 broadcasts)."""
+    """positions: ``tokens`` shape, or [3, *tokens] with mRoPE (a leading 1 broadcasts).
+    ``what``: the expected shape as a template of ``tokens`` (``"[{0}, {1}]"``), formatted only
+    for an error: under torch.compile formatting a symbolic size pins it."""
     tensor_arg(name, positions, len(tokens) + (opts.mrope_section is not None), INDEX_DTYPES)
     shape = tuple(positions.shape)
     if opts.mrope_section is not None:
         if shape[0] != 3:
-            raise ValueError(f"{name} must have shape [3, {what}] with mrope_section (temporal, "
-                             f"height, width streams), got {list(shape)}")
+            raise ValueError(f"{name} must have shape [3, {what.format(*tokens)}] with "
+                             f"mrope_section (temporal, height, width streams), got "
+                             f"{list(shape)}")
         shape = shape[1:]
         what = f"[3, {what}]"
+    # (== each, not ``in (1, t)``: Dynamo's ``in`` on a tuple of sizes misjudges symbolic ones)
     ok = len(shape) == len(tokens) and shape[-1] == tokens[-1] and all(
-        s in (1, t) for s, t in zip(shape[:-1], tokens[:-1]))
+        s == 1 or s == t for s, t in zip(shape[:-1], tokens[:-1]))
     if not ok:
-        raise ValueError(f"{name} must have shape {what}, got {list(positions.shape)}")
+        raise ValueError(f"{name} must have shape {what.format(*tokens)}, got "
+                         f"{list(positions.shape)}")
 
 
 def _cache_dtypes(act: torch.dtype) -> tuple:
@@ -319,7 +353,7 @@ def check_bhsd(query, key, value, position_ids, key_cache, value_cache, cache_po
     L = key_cache.shape[2]
     _shape("key_cache", key_cache, (B, Hkv, L, D), "[B, Hkv, L, D] matching key's B, Hkv, D")
     _shape("value_cache", value_cache, tuple(key_cache.shape), "the shape of key_cache")
-    _positions("position_ids", position_ids, (B, S), opts, f"[{B}, {S}] or [1, {S}] ([B, S])")
+    _positions("position_ids", position_ids, (B, S), opts, "[{0}, {1}] or [1, {1}] ([B, S])")
     _shape("cache_position", cache_position, (S,), "[S]")
     return opts
 
@@ -350,7 +384,7 @@ def check_paged(query, key, value, positions, key_cache, value_cache, slot_mappi
         _shape("key_cache", key_cache, (nb, Hkv, key_cache.shape[2], D),
                "HND: [num_blocks, Hkv, block_size, D]")
     _shape("value_cache", value_cache, tuple(key_cache.shape), "the shape of key_cache")
-    _positions("positions", positions, (T,), opts, f"[{T}]")
+    _positions("positions", positions, (T,), opts, "[{0}]")
     _shape("slot_mapping", slot_mapping, (T,), "[T]")
     return opts
 
