@@ -79,6 +79,27 @@ def test_dynamic_shapes_compile_one_graph_for_every_length(entry):
     assert len(graphs) == 2
 
 
+def test_token_count_marked_dynamic_as_serving_engines_do():
+    # vLLM compiles its model once with the token count marked dynamic (mark_dynamic on dim 0)
+    # and raises if anything pins it; the paged op on a packed projection must leave T free.
+    from test_qknorm_rope import PCase, make
+
+    graphs, backend = _graph_counter()
+    torch._dynamo.reset()
+    f = torch.compile(lambda qkv, *a: qkrope.fused_qkv_norm_rope_paged(qkv, 4, 2, *a),
+                      backend=backend, fullgraph=True)
+    for T in (11, 5, 17):
+        args, _ = make(PCase(T=T, seed=T))
+        qkv = torch.cat([x.reshape(T, -1) for x in args[:3]], 1)
+        for t in (qkv, args[3], args[6]):
+            torch._dynamo.mark_dynamic(t, 0)
+        ref = qkrope.reference_paged(*args)
+        out = f(qkv, *args[3:])
+        for o, r in zip((*out, args[4], args[5]), ref):
+            assert torch.equal(o, r), T
+    assert len(graphs) == 1
+
+
 def test_opcheck():
     args = make_inputs(Case(S=3, seed=5))
     outs = (torch.empty_like(args[0]), torch.empty_like(args[1]))
