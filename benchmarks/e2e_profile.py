@@ -1,5 +1,6 @@
 """What one step of the e2e model launches, stock against patched: per step the CUDA kernels
-(count and GPU µs, by name) and, in ``torch.compile`` without CUDA graphs, the host hot spots
+(count and GPU µs, by name), in compiled modes the guards checked before every call (how many,
+and their µs alone) and, in ``torch.compile`` without CUDA graphs, the host hot spots
 (``torch.profiler``). The tool behind the compiled cells of BENCHMARKS.md's end-to-end table:
 where ``qkrope bench --e2e`` shows patched ≈ stock, this shows whether the step differs in GPU
 work (kernels the patch adds or removes) or in host time (the op's call in the graph).
@@ -15,9 +16,12 @@ import argparse
 import collections
 import statistics
 import sys
+import time
 import warnings
 
 import torch
+
+from qkrope.bench.e2e import PROMPT
 
 
 def _profile(stepper, first: int, n: int):
@@ -47,7 +51,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("e2e_profile.py needs CUDA")
         return 1
-    from qkrope.bench.e2e import PROMPT, _forward, _Stepper, build_model
+    from qkrope.bench.e2e import _forward, _Stepper, build_model
     from qkrope.integrations.transformers import patch, unpatch
 
     warnings.simplefilter("ignore")
@@ -69,14 +73,17 @@ def main(argv=None) -> int:
             for i in range(8):
                 st.step(at(i))
             walls = [st.step(at(i)) for i in range(8, 28)]
+            guards = _guard_us(st, at(28)) if mode != "eager" else None
             n = 5
             prof, kernels = _profile(_StepAt(st, at), 28, n)
             count = sum(v[0] for v in kernels.values()) / n
             gpu = sum(v[1] for v in kernels.values()) / n
-            per[variant] = (statistics.median(walls), count, gpu)
+            per[variant] = (statistics.median(walls), count, gpu, guards)
             print(f"\n### {args.model} {mode} batch {batch} {phase}, {variant}: "
                   f"{statistics.median(walls):.3f} ms/step, {count:.0f} kernels, "
-                  f"GPU {gpu:.1f} µs per step\n")
+                  f"GPU {gpu:.1f} µs per step"
+                  + (f", guards {guards[0]} evaluated in {guards[1]:.1f} µs" if guards else "")
+                  + "\n")
             for name, (c, t) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:args.top]:
                 print(f"- {c / n:4.1f}× {t / n:8.1f} µs `{name}`")
             if mode == "compile" and variant == "patched":
@@ -85,15 +92,52 @@ def main(argv=None) -> int:
                     + "```")
         unpatch(model)
         s, q = per["stock"], per["patched"]
+        g = f"{s[3][1]:.1f} / {q[3][1]:.1f}" if s[3] else "—"
         rows.append(f"| {mode} | {batch} | {phase} | {s[0]:.3f} | {q[0]:.3f} | "
-                    f"{s[0] / q[0]:.3f} | {s[1]:.0f} / {q[1]:.0f} | {s[2]:.1f} / {q[2]:.1f} |")
+                    f"{s[0] / q[0]:.3f} | {s[1]:.0f} / {q[1]:.0f} | {s[2]:.1f} / {q[2]:.1f} | "
+                    f"{g} |")
     print(f"\n{args.model}, {args.layers} layers, torch {torch.__version__}, "
           f"{torch.cuda.get_device_name()}\n")
     print("| mode | batch | phase | stock ms | patched ms | speed-up | kernels stock / patched "
-          "| GPU µs stock / patched |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| GPU µs stock / patched | guards µs stock / patched |")
+    print("|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
     return 0
+
+
+def _guard_us(stepper, i: int, calls: int = 500):
+    """``(guards, µs)``: how many guards the compiled step checks before every call, and how
+    long checking them takes alone (median of 20 runs of ``calls``): the host time of a step
+    that is guards, CUDA-graph replays included (docs/perf-notes.md, lead 5 h)."""
+    import inspect
+
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    own = stepper.forward._torchdynamo_orig_callable  # the variant's own forward (e2e._forward)
+    fn = own.__func__
+    kw = dict(stepper.kw, position_ids=torch.full((stepper.stream.shape[0], 1), PROMPT + i,
+                                                  device=stepper.stream.device))
+    tok = stepper.stream[:, PROMPT + i:PROMPT + i + 1] if stepper.phase == "decode" \
+        else stepper.stream
+    if stepper.phase != "decode":
+        kw.pop("position_ids")
+    bound = inspect.signature(fn, follow_wrapped=False).bind(own.__self__, tok, **kw)
+    bound.apply_defaults()
+    frame = {**bound.arguments, **{name: cell.cell_contents for name, cell in
+                                   zip(fn.__code__.co_freevars, fn.__closure__ or ())}}
+    with torch.no_grad():
+        entries = [e for e in _debug_get_cache_entry_list(fn.__code__)
+                   if e.guard_manager.check(frame)]
+        if not entries:
+            return None
+        manager = entries[0].guard_manager
+        runs = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                manager.check(frame)
+            runs.append((time.perf_counter() - t0) / calls * 1e6)
+        return manager.check_verbose(frame).num_guards_executed, statistics.median(runs)
 
 
 class _StepAt:
