@@ -559,24 +559,25 @@ def test_prefills_of_any_length_compile_as_often_as_stock(family, dynamic):
                 start += n
         return logits
 
-    counts = {}
+    counts, got = {}, {}
     for variant in ("stock", "patched"):
         if variant == "patched":
             patch(model)
-            eager = prefills(model.forward)
         graphs = []
         torch._dynamo.reset()
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("error", FallbackWarning)
-                got = prefills(torch.compile(model.forward, dynamic=dynamic,
-                                             backend=lambda gm, _: graphs.append(gm) or gm))
+                got[variant] = prefills(torch.compile(
+                    model.forward, dynamic=dynamic, backend=lambda gm, _: graphs.append(gm) or gm))
         finally:
             torch._dynamo.reset()
         counts[variant] = len(graphs)
     assert counts["patched"] <= counts["stock"], counts
-    for g, e in zip(got, eager):
-        assert torch.equal(g, e)
+    # The same bits as the stock model traced alike (transformers 5.17 masks attention
+    # differently when traced: neither traced model equals its eager self there).
+    for p, s in zip(got["patched"], got["stock"]):
+        assert torch.equal(p, s)
 
 
 def _decode_step_guards(layers: int, patched: bool) -> int:
