@@ -21,7 +21,7 @@ import warnings
 
 import torch
 
-from qkrope.bench.e2e import PROMPT
+from qkrope.bench.e2e import PROMPT, step_guards
 
 
 def _profile(stepper, first: int, n: int):
@@ -109,28 +109,17 @@ def _guard_us(stepper, i: int, calls: int = 500):
     """``(guards, µs)``: how many guards the compiled step checks before every call, and how
     long checking them takes alone (median of 20 runs of ``calls``): the host time of a step
     that is guards, CUDA-graph replays included (docs/perf-notes.md, lead 5 h)."""
-    import inspect
-
-    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-
-    own = stepper.forward._torchdynamo_orig_callable  # the variant's own forward (e2e._forward)
-    fn = own.__func__
-    kw = dict(stepper.kw, position_ids=torch.full((stepper.stream.shape[0], 1), PROMPT + i,
-                                                  device=stepper.stream.device))
-    tok = stepper.stream[:, PROMPT + i:PROMPT + i + 1] if stepper.phase == "decode" \
-        else stepper.stream
-    if stepper.phase != "decode":
-        kw.pop("position_ids")
-    bound = inspect.signature(fn, follow_wrapped=False).bind(own.__self__, tok, **kw)
-    bound.apply_defaults()
-    frame = {**bound.arguments, **{name: cell.cell_contents for name, cell in
-                                   zip(fn.__code__.co_freevars, fn.__closure__ or ())}}
+    kw = dict(stepper.kw)
+    if stepper.phase == "decode":
+        tok = stepper.stream[:, PROMPT + i:PROMPT + i + 1]
+        kw["position_ids"] = torch.full((tok.shape[0], 1), PROMPT + i, device=tok.device)
+    else:
+        tok = stepper.stream
     with torch.no_grad():
-        entries = [e for e in _debug_get_cache_entry_list(fn.__code__)
-                   if e.guard_manager.check(frame)]
-        if not entries:
+        found = step_guards(stepper.forward, tok, **kw)
+        if found is None:
             return None
-        manager = entries[0].guard_manager
+        manager, frame = found
         runs = []
         for _ in range(20):
             t0 = time.perf_counter()

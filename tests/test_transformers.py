@@ -582,7 +582,7 @@ def test_prefills_of_any_length_compile_as_often_as_stock(family, dynamic):
 
 def _decode_step_guards(layers: int, patched: bool) -> int:
     """Guards the compiled decode step of a ``layers``-layer Qwen3 model evaluates per call."""
-    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    from qkrope.bench.e2e import step_guards
 
     torch.manual_seed(0)
     model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
@@ -597,16 +597,12 @@ def _decode_step_guards(layers: int, patched: bool) -> int:
         with torch.no_grad():
             model(ids[:, :4], **kw)
             step = {"position_ids": torch.full((1, 1), 4, device=DEVICE), **kw}
-            torch.compile(model.forward, backend="eager", fullgraph=True)(ids[:, 4:], **step)
-            forward = type(model).forward  # transformers' wrappers: the frame dynamo compiled
-            # (its parameters differ between transformers versions: bound by its signature)
-            bound = inspect.signature(forward, follow_wrapped=False).bind(model, ids[:, 4:], **step)
-            bound.apply_defaults()
-            frame = {**bound.arguments,
-                     **{name: cell.cell_contents for name, cell in
-                        zip(forward.__code__.co_freevars, forward.__closure__ or ())}}
-            entry, = _debug_get_cache_entry_list(forward.__code__)
-            checked = entry.guard_manager.check_verbose(frame)
+            compiled = torch.compile(model.forward, backend="eager", fullgraph=True)
+            compiled(ids[:, 4:], **step)
+            found = step_guards(compiled, ids[:, 4:], **step)
+            assert found is not None, "the compiled step's guards fail on its own arguments"
+            manager, frame = found
+            checked = manager.check_verbose(frame)
     finally:
         torch._dynamo.reset()
     assert checked.result, checked.verbose_code_parts

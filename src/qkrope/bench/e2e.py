@@ -176,6 +176,29 @@ def _forward(model, mode: str, device: str) -> Callable:
                          device == "cuda" else None)
 
 
+def step_guards(compiled, *args, **kwargs):
+    """The guards a compiled forward checks before every call with these arguments, as
+    ``(manager, frame)``: ``manager.check(frame)`` evaluates them alone (host time of every
+    compiled step, CUDA-graph replays included: docs/perf-notes.md, lead 5 h). ``compiled``:
+    ``torch.compile`` of a bound forward (:func:`_forward`, ``model.forward``); call under the
+    grad mode of the steps (a guard). None where no compiled entry takes these arguments."""
+    import inspect
+
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    method = compiled._torchdynamo_orig_callable
+    fn = method.__func__  # transformers' wrappers: the frame Dynamo compiled
+    # (its parameters differ between transformers versions: bound by its signature)
+    bound = inspect.signature(fn, follow_wrapped=False).bind(method.__self__, *args, **kwargs)
+    bound.apply_defaults()
+    frame = {**bound.arguments, **{name: cell.cell_contents for name, cell in
+                                   zip(fn.__code__.co_freevars, fn.__closure__ or ())}}
+    for entry in _debug_get_cache_entry_list(fn.__code__):
+        if entry.guard_manager.check(frame):
+            return entry.guard_manager, frame
+    return None
+
+
 class _Stepper:
     """One variant's state for a cell: its own StaticCache, filled by an eager prefill of the
     prompt (decode) or allocated by one eager prefill (prefill), and :meth:`step`, one timed
