@@ -27,6 +27,9 @@
 #   bash benchmarks/device_session.sh e2e-ab SRC [ARGS] # e2e cells, another tree's src/ (e.g. a
 #                                                  # carried `git archive REV src` copy) against
 #                                                  # the working tree, alternating (~5 min)
+#   bash benchmarks/device_session.sh iso [PRESET] [CELLS] # one variant per process, processes
+#                                                  # alternating s p p s ...: the reduce-overhead
+#                                                  # decode cells as users run them (~7 min)
 #   bash benchmarks/device_session.sh route [PRESET] # the op's C++ compile route: its GPU tests,
 #                                                  # host times, e2e_profile, e2e compile mode (~8 min)
 # What needs no GPU runs here instead: python benchmarks/compile_sm90.py (benchmarks/README.md).
@@ -157,6 +160,19 @@ case "${1:-tests}" in
         done
       done
     done ;;
+  iso)   # each variant alone in its process (nothing of the other in it: compiled code,
+         # CUDA-graph trees, allocator pool), processes alternating while under 6 minutes;
+         # then the speed-up per cell over all of them (docs/perf-notes.md, lead 5 g)
+    cells=${3:-reduce-overhead:1:decode,reduce-overhead:8:decode,reduce-overhead:64:decode}
+    t0=$(date +%s); k=0
+    for v in stock patched patched stock stock patched patched stock; do
+      [ $(( $(date +%s) - t0 )) -gt 360 ] && break
+      timeout 200 python3 benchmarks/e2e_profile.py --model "${2:-qwen3-8b}" --cells "$cells" \
+        --variants $v --steps 60 --top 0 --run $k --json "$OUT/iso-$k.json" > /tmp/iso-run.md 2>&1
+      echo "run $k $v rc=$? t=$(( $(date +%s) - t0 ))s"; grep "^###" /tmp/iso-run.md
+      k=$((k + 1))
+    done
+    python3 benchmarks/e2e_profile.py --summary "$OUT"/iso-*.json | tee "$OUT/iso.md" ;;
   route) # the registered op's C++ kernel (csrc/op_route.cpp): its tests, the op's host time in a
          # graph, what a compiled step launches, then the compiled cells of the e2e table
     timeout 240 python3 -m pytest -q -p no:cacheprovider -n 12 tests/test_compile.py \

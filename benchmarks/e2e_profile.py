@@ -6,14 +6,22 @@ where ``qkrope bench --e2e`` shows patched ≈ stock, this shows whether the ste
 work (kernels the patch adds or removes) or in host time (the op's call in the graph).
 
     python benchmarks/e2e_profile.py [--model qwen3-8b] [--cells reduce-overhead:1:decode,...]
+        [--variants stock,patched] [--steps 20] [--json rows.json]
 
-Same model, caches and steps as ``qkrope bench --e2e`` (``qkrope.bench.e2e``); GPU only.
+Same model, caches and steps as ``qkrope bench --e2e`` (``qkrope.bench.e2e``); GPU only. The
+variants run one after the other, each ``--steps`` timed steps: no interleaving, so a wall
+clock here is no speed-up. ``--variants patched`` alone, in processes alternating with
+``--variants stock`` (``benchmarks/device_session.sh iso``), times each variant the way a
+user's process runs it, with nothing of the other variant in the process (compiled code,
+CUDA-graph trees, the caching allocator's pool): the check on the bench's in-process
+interleaving (docs/perf-notes.md, lead 5 g).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import json
 import statistics
 import sys
 import time
@@ -47,7 +55,18 @@ def main(argv=None) -> int:
     p.add_argument("--cells", default="reduce-overhead:1:decode,reduce-overhead:8:decode,"
                    "compile:1:decode,compile:1:prefill", help="MODE:BATCH:PHASE,...")
     p.add_argument("--top", type=int, default=12, help="kernels listed per variant")
+    p.add_argument("--variants", default="stock,patched", help="stock, patched or both")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per variant and cell")
+    p.add_argument("--json", help="write one row per cell and variant here")
+    p.add_argument("--run", type=int, default=0, help="this process's place in a series "
+                   "(kept in --json's rows: --summary lists the processes in run order)")
+    p.add_argument("--summary", nargs="+", metavar="JSON",
+                   help="no run: the speed-up per cell from these files' rows (--json of "
+                        "several processes; no GPU needed)")
     args = p.parse_args(argv)
+    if args.summary:
+        print(summary([r for path in args.summary for r in json.load(open(path))]))
+        return 0
     if not torch.cuda.is_available():
         print("e2e_profile.py needs CUDA")
         return 1
@@ -56,15 +75,17 @@ def main(argv=None) -> int:
 
     warnings.simplefilter("ignore")
     model = build_model(args.model, args.layers, "cuda")
-    rows = []
+    variants = [v for v in ("stock", "patched") if v in args.variants.split(",")]
+    rows, records = [], []
     for cell in args.cells.split(","):
         mode, batch, phase = cell.split(":")
         torch.manual_seed(1)
         stream = torch.randint(0, model.config.vocab_size,
-                               (int(batch), 512 if phase == "prefill" else PROMPT + 40),
+                               (int(batch), 512 if phase == "prefill"
+                                else PROMPT + args.steps + 20),
                                device="cuda")
         per = {}
-        for variant in ("stock", "patched"):
+        for variant in variants:
             torch._dynamo.reset()
             (patch if variant == "patched" else unpatch)(model)
             st = _Stepper(model, _forward(model, mode, "cuda"), stream, phase, "cuda",
@@ -72,13 +93,17 @@ def main(argv=None) -> int:
             at = (lambda i: i) if phase == "decode" else (lambda i: 0)
             for i in range(8):
                 st.step(at(i))
-            walls = [st.step(at(i)) for i in range(8, 28)]
-            guards = _guard_us(st, at(28)) if mode != "eager" else None
+            end = 8 + args.steps
+            walls = [st.step(at(i)) for i in range(8, end)]
+            guards = _guard_us(st, at(end)) if mode != "eager" else None
             n = 5
-            prof, kernels = _profile(_StepAt(st, at), 28, n)
+            prof, kernels = _profile(_StepAt(st, at), end, n)
             count = sum(v[0] for v in kernels.values()) / n
             gpu = sum(v[1] for v in kernels.values()) / n
             per[variant] = (statistics.median(walls), count, gpu, guards)
+            records.append(dict(model=args.model, mode=mode, batch=int(batch), phase=phase,
+                                variant=variant, wall_ms=walls, kernels=count, gpu_us=gpu,
+                                guards=guards and guards[0], guard_us=guards and guards[1]))
             print(f"\n### {args.model} {mode} batch {batch} {phase}, {variant}: "
                   f"{statistics.median(walls):.3f} ms/step, {count:.0f} kernels, "
                   f"GPU {gpu:.1f} µs per step"
@@ -91,6 +116,8 @@ def main(argv=None) -> int:
                     sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=50)
                     + "```")
         unpatch(model)
+        if len(per) < 2:
+            continue
         s, q = per["stock"], per["patched"]
         g = f"{s[3][1]:.1f} / {q[3][1]:.1f}" if s[3] else "—"
         rows.append(f"| {mode} | {batch} | {phase} | {s[0]:.3f} | {q[0]:.3f} | "
@@ -102,7 +129,46 @@ def main(argv=None) -> int:
           "| GPU µs stock / patched | guards µs stock / patched |")
     print("|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
+    if args.json:
+        env = dict(torch=torch.__version__, gpu=torch.cuda.get_device_name(),
+                   layers=args.layers, run=args.run)
+        with open(args.json, "w") as f:
+            json.dump([{**r, **env} for r in records], f, indent=1)
     return 0
+
+
+def summary(records: list[dict]) -> str:
+    """Markdown: per cell, each variant's median wall ms over all its processes' steps, the
+    speed-up (stock ÷ patched), and each process's own median in run order (a drift of the
+    machine shows there), GPU µs and guards."""
+    cells = collections.defaultdict(lambda: collections.defaultdict(list))
+    for r in records:
+        cells[(r["model"], r["mode"], r["batch"], r["phase"])][r["variant"]].append(r)
+    env = records[0] if records else {}
+    out = [f"{env.get('gpu', '')}, torch {env.get('torch', '')}, {env.get('layers', '')} "
+           f"layers; one variant per process", "",
+           "| model | mode | batch | phase | stock ms | patched ms | speed-up | per process "
+           "(run order) | GPU µs stock / patched | guards stock / patched |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for (model, mode, batch, phase), per in cells.items():
+        med = {v: statistics.median(w for r in rs for w in r["wall_ms"])
+               for v, rs in per.items()}
+        runs = sorted((r for rs in per.values() for r in rs), key=lambda r: r.get("run", 0))
+        order = ", ".join(f"{r['variant'][0]} {statistics.median(r['wall_ms']):.3f}"
+                          for r in runs)
+
+        def mean(v, key):
+            xs = [r[key] for r in per.get(v, ()) if r.get(key) is not None]
+            return f"{statistics.mean(xs):.0f}" if xs else "—"
+
+        ratio = (f"{med['stock'] / med['patched']:.3f}×" if {"stock", "patched"} <= set(med)
+                 else "—")
+        out.append(f"| {model} | {mode} | {batch} | {phase} | "
+                   f"{med.get('stock', float('nan')):.3f} | {med.get('patched', float('nan')):.3f}"
+                   f" | {ratio} | {order} | {mean('stock', 'gpu_us')} / "
+                   f"{mean('patched', 'gpu_us')} | {mean('stock', 'guards')} / "
+                   f"{mean('patched', 'guards')} |")
+    return "\n".join(out)
 
 
 def _guard_us(stepper, i: int, calls: int = 500):

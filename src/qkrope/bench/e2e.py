@@ -87,6 +87,10 @@ class Cell:
     graph_breaks: int | None = None
     recompiles_after_warmup: int | None = None
     error: str | None = None
+    # every timed step's ms in run order (JSON only): blocks of BLOCK per variant, or one per
+    # generate() round; where the first step of a block pays for the switch, it shows here
+    stock_times: list[float] | None = None
+    patched_times: list[float] | None = None
 
     @property
     def speedup(self) -> float | None:
@@ -355,6 +359,7 @@ def _measure(model, patch_fns, cell: Cell, stream, steps, warmup, device,
         unpatch(model)
     torch._dynamo.reset()
     cell.stock_ms, cell.patched_ms = (statistics.median(times[v]) for v in variants)
+    cell.stock_times, cell.patched_times = (times[v] for v in variants)
     cell.speedup_interval = speedup_interval(times["stock"], times["patched"])
     # generate(): compare the first decode step (the one compiled) where both variants chose
     # the reference's first token; where a near-tie of random weights made one choose another,
@@ -409,6 +414,7 @@ def run_e2e(presets: Sequence[str], batches: Sequence[int], modes: Sequence[str]
             cell.error = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         if not timed:
             cell.stock_ms = cell.patched_ms = cell.speedup_interval = None
+            cell.stock_times = cell.patched_times = None
         report.cells.append(cell)
         if on_update is not None:
             on_update(report)
