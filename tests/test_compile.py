@@ -3,6 +3,7 @@ copies, and torch.library.opcheck."""
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounter
 from helpers import Case, make_inputs
 
 import qkrope
@@ -46,15 +47,6 @@ def _eager_call(entry, args, **kw) -> tuple:
     return (*out[:2], args[4], args[5])
 
 
-def _graph_counter():
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-    return graphs, backend
-
-
 @pytest.mark.parametrize("entry", ["bhsd", "paged"])
 def test_dynamic_shapes_compile_one_graph_for_every_length(entry):
     # torch.compile(dynamic=True), or the automatic dynamic shapes a second prefill length
@@ -63,7 +55,7 @@ def test_dynamic_shapes_compile_one_graph_for_every_length(entry):
     # to the compiled function: dynamic=True traces ints and floats as symbols too).
     from test_qknorm_rope import PCase, make
 
-    graphs, backend = _graph_counter()
+    backend = CompileCounter()  # graphs compiled: its frame_count
     torch._dynamo.reset()
     if entry == "bhsd":
         f = torch.compile(lambda *a, eps, rot: op(*a[:10], eps, rotary_dim=rot), backend=backend,
@@ -81,10 +73,10 @@ def test_dynamic_shapes_compile_one_graph_for_every_length(entry):
         out = f(*args, eps=args[10], rot=64)
         for o, e in zip((*out[:2], args[4], args[5]), eager):
             assert torch.equal(o, e), n
-    assert len(graphs) == 1
+    assert backend.frame_count == 1
     # A scalar option is part of the op's specialisation: another value compiles again.
     f(*args, eps=1e-5, rot=64)
-    assert len(graphs) == 2
+    assert backend.frame_count == 2
 
 
 def test_token_count_marked_dynamic_as_serving_engines_do():
@@ -92,7 +84,7 @@ def test_token_count_marked_dynamic_as_serving_engines_do():
     # and raises if anything pins it; the paged op on a packed projection must leave T free.
     from test_qknorm_rope import PCase, make
 
-    graphs, backend = _graph_counter()
+    backend = CompileCounter()
     torch._dynamo.reset()
     f = torch.compile(lambda qkv, *a: qkrope.fused_qkv_norm_rope_paged(qkv, 4, 2, *a),
                       backend=backend, fullgraph=True)
@@ -105,7 +97,7 @@ def test_token_count_marked_dynamic_as_serving_engines_do():
         out = f(qkv, *args[3:])
         for o, e in zip((*out, args[4], args[5]), eager):
             assert torch.equal(o, e), T
-    assert len(graphs) == 1
+    assert backend.frame_count == 1
 
 
 def test_opcheck():

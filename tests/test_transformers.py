@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 from helpers import DEVICE
+from torch._dynamo.testing import CompileCounter
 
 transformers = pytest.importorskip("transformers")
 from transformers import DynamicCache, StaticCache  # noqa: E402
@@ -563,16 +564,16 @@ def test_prefills_of_any_length_compile_as_often_as_stock(family, dynamic):
     for variant in ("stock", "patched"):
         if variant == "patched":
             patch(model)
-        graphs = []
+        counter = CompileCounter()
         torch._dynamo.reset()
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("error", FallbackWarning)
-                got[variant] = prefills(torch.compile(
-                    model.forward, dynamic=dynamic, backend=lambda gm, _: graphs.append(gm) or gm))
+                got[variant] = prefills(torch.compile(model.forward, dynamic=dynamic,
+                                                      backend=counter))
         finally:
             torch._dynamo.reset()
-        counts[variant] = len(graphs)
+        counts[variant] = counter.frame_count
     assert counts["patched"] <= counts["stock"], counts
     # The same bits as the stock model traced alike (transformers 5.17 masks attention
     # differently when traced: neither traced model equals its eager self there).
