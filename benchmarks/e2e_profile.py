@@ -94,7 +94,10 @@ def main(argv=None) -> int:
             for i in range(8):
                 st.step(at(i))
             end = 8 + args.steps
-            walls = [st.step(at(i)) for i in range(8, end)]
+            walls, hosts = [], []
+            for i in range(8, end):
+                walls.append(st.step(at(i)))
+                hosts.append(st.host_ms)
             guards = _guard_us(st, at(end)) if mode != "eager" else None
             n = 5
             prof, kernels = _profile(_StepAt(st, at), end, n)
@@ -102,10 +105,12 @@ def main(argv=None) -> int:
             gpu = sum(v[1] for v in kernels.values()) / n
             per[variant] = (statistics.median(walls), count, gpu, guards)
             records.append(dict(model=args.model, mode=mode, batch=int(batch), phase=phase,
-                                variant=variant, wall_ms=walls, kernels=count, gpu_us=gpu,
+                                variant=variant, wall_ms=walls, host_ms=hosts, kernels=count,
+                                gpu_us=gpu,
                                 guards=guards and guards[0], guard_us=guards and guards[1]))
             print(f"\n### {args.model} {mode} batch {batch} {phase}, {variant}: "
-                  f"{statistics.median(walls):.3f} ms/step, {count:.0f} kernels, "
+                  f"{statistics.median(walls):.3f} ms/step (host {statistics.median(hosts):.3f} "
+                  f"until the forward returned), {count:.0f} kernels, "
                   f"GPU {gpu:.1f} µs per step"
                   + (f", guards {guards[0]} evaluated in {guards[1]:.1f} µs" if guards else "")
                   + "\n")
@@ -147,9 +152,9 @@ def summary(records: list[dict]) -> str:
     env = records[0] if records else {}
     out = [f"{env.get('gpu', '')}, torch {env.get('torch', '')}, {env.get('layers', '')} "
            f"layers; one variant per process", "",
-           "| model | mode | batch | phase | stock ms | patched ms | speed-up | per process "
-           "(run order) | GPU µs stock / patched | guards stock / patched |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "| model | mode | batch | phase | stock ms | patched ms | speed-up | host ms stock / "
+           "patched | per process (run order) | GPU µs stock / patched | guards stock / patched |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for (model, mode, batch, phase), per in cells.items():
         med = {v: statistics.median(w for r in rs for w in r["wall_ms"])
                for v, rs in per.items()}
@@ -163,9 +168,15 @@ def summary(records: list[dict]) -> str:
 
         ratio = (f"{med['stock'] / med['patched']:.3f}×" if {"stock", "patched"} <= set(med)
                  else "—")
+
+        def host(v):  # median host part of a step: up to the forward's return
+            xs = [h for r in per.get(v, ()) for h in r.get("host_ms") or ()]
+            return f"{statistics.median(xs):.3f}" if xs else "—"
+
         out.append(f"| {model} | {mode} | {batch} | {phase} | "
                    f"{med.get('stock', float('nan')):.3f} | {med.get('patched', float('nan')):.3f}"
-                   f" | {ratio} | {order} | {mean('stock', 'gpu_us')} / "
+                   f" | {ratio} | {host('stock')} / {host('patched')} | {order} | "
+                   f"{mean('stock', 'gpu_us')} / "
                    f"{mean('patched', 'gpu_us')} | {mean('stock', 'guards')} / "
                    f"{mean('patched', 'guards')} |")
     return "\n".join(out)

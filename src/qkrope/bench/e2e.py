@@ -219,6 +219,7 @@ class _Stepper:
         with torch.no_grad():
             model(stream[:, :PROMPT] if phase == "decode" else stream, **self.kw)
         self.logits = None
+        self.host_ms = None
 
     def step(self, i: int) -> float:
         B = self.stream.shape[0]
@@ -236,6 +237,9 @@ class _Stepper:
             if self.phase == "decode":
                 kw["position_ids"] = torch.full((B, 1), PROMPT + i, device=tok.device)
             logits = self.forward(tok, **kw).logits
+            # the host's part: the step's Python, guards, launches or a CUDA-graph replay's
+            # launch, up to the forward's return (the GPU may still be running)
+            self.host_ms = (time.perf_counter() - t0) * 1e3
             _sync(self.device)
             elapsed = time.perf_counter() - t0
             # Kept now: a CUDA-graph replay of the other variant reuses this output's memory.
