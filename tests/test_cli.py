@@ -492,6 +492,30 @@ def test_e2e_cpu_path_checks_the_patched_model_and_its_graphs(tmp_path, capsys):
                for c in cells.values())
 
 
+def test_e2e_workers_report_errors_and_deaths_instead_of_hanging():
+    # Each variant runs in a worker process of its own: a request that fails comes back as the
+    # cell's error line, a worker that dies is reported at once (no wait on a dead pipe), and
+    # the run leaves no process behind.
+    import multiprocessing
+
+    from qkrope.bench.e2e import WorkerError, _Worker, run_e2e
+
+    report = run_e2e(["no-such-preset"], [1], ["eager"], ["decode"], layers=1, steps=1,
+                     warmup=1)
+    assert report.cells[0].error == "KeyError: 'no-such-preset'"
+    assert not multiprocessing.active_children()
+    w = _Worker("stock", "qwen3-8b", 1, "cpu", 0, 0.0)
+    try:
+        route, digest = w.result()  # ready: its launch route, its weights' digest
+        assert route.startswith("python") and len(digest) > 4
+        w.proc.kill()
+        with pytest.raises(WorkerError, match="the stock worker died"):
+            w.call("block", 0, 1)
+    finally:
+        w.close()
+    assert not multiprocessing.active_children()
+
+
 def test_e2e_profile_summary_pools_one_variant_processes(tmp_path):
     # benchmarks/e2e_profile.py --summary: the rows of processes that each ran one variant
     # (device_session.sh iso), pooled per cell: medians over every step of a variant, stock ÷

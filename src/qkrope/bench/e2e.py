@@ -7,8 +7,11 @@ sequence after a prompt) and a prefill of ``prefill_len`` tokens, in four modes:
 ``model.generate(..., cache_implementation="static")``, which compiles the decode step itself.
 Each figure is wall time per step with the device synchronised, so host time counts.
 
-Stock and patched run interleaved, in blocks of :data:`BLOCK` steps, each with its own cache
-and its own compiled code, so a drift of the machine's speed hits both alike. Beside each
+Stock and patched each run in a worker process of their own, as in a user's process: nothing
+of the other variant there (compiled code, CUDA-graph trees, the allocator's pool; docs/
+design.md, "End-to-end bench"). The parent sets both up side by side (compiles, untimed), then
+times them in alternating blocks of :data:`BLOCK` steps, one process on the GPU at a time, so a
+drift of the machine's speed hits both alike. Beside each
 speed-up (the ratio of the median times), a 95% interval from resampling the pairs of i-th
 steps (:func:`speedup_interval`): a cell whose interval holds 1.0 is a tie within this run's
 noise.
@@ -61,11 +64,10 @@ GENERATE_TOKENS = (8, 72)  # generate() lengths whose time difference gives the 
 #: is a median ratio of ~1.00-1.05 in the CUDA-graph modes, where 20 pairs left a 95% interval
 #: of about ±2%; decode steps cost ms, the compiles dominate a cell's time.
 STEPS = 60
-#: Timed steps run in blocks of this many per variant, the variants alternating: a drift of the
-#: machine's speed still hits both alike, and 9 steps in 10 follow a step of their own variant,
-#: as every step does in a user's process. Switching variants costs host time no such process
-#: spends (another compiled entry's guards, another CUDA-graph tree's memory state); step by
-#: step, every step paid it, unequally (docs/perf-notes.md, lead 5 g).
+#: Timed steps run in blocks of this many per variant, the variants' processes alternating: a
+#: drift of the machine's speed still hits both alike, and 9 steps in 10 follow a step of their
+#: own process (the first of a block may find caches and clocks as the other process left them;
+#: every step's time is kept in the JSON, so that shows).
 BLOCK = 10
 GENERATE_ROUNDS = 9  # per-token times per variant (median): the host's speed drifts by 10-15%
 
@@ -163,10 +165,10 @@ def _counters() -> tuple[int, int]:
 
 def _forward(model, mode: str, device: str) -> Callable:
     """``model.forward`` for ``mode``: compiled, on a code object of its own. Dynamo keeps a
-    frame's compiled entries per code object: compiled from the one method, the variants would
-    share a list, and every step (they alternate) would first run the other variant's guards
-    and fail, host time no user's process spends (on the CPU the patched variant's failing
-    pass was the longer one: docs/perf-notes.md, lead 5 g)."""
+    frame's compiled entries per code object: where two variants run in one process
+    (``benchmarks/e2e_profile.py``), compiled from the one method they would share a list, and
+    every step would first run the other variant's guards and fail, host time no user's process
+    spends (docs/perf-notes.md, lead 5 g)."""
     if mode == "eager":
         return model.forward
     fn = model.forward.__func__
@@ -291,77 +293,225 @@ def _ulp(x: torch.Tensor) -> float:
 EAGER_ULPS = 4
 
 
-def _measure(model, patch_fns, cell: Cell, stream, steps, warmup, device,
-             references: dict) -> None:
-    """Fill ``cell``: stock and patched in its mode, interleaved in blocks (so a drift of
-    the machine's speed hits both alike), against the stock eager model (run once per preset,
-    batch and phase: ``references``)."""
-    patch, unpatch = patch_fns
-    compiled = cell.mode != "eager"
-    cudagraphs = cell.mode == "reduce-overhead" and device == "cuda"
-    generate = cell.mode == "generate"
-    ref_key = (cell.preset, cell.batch, generate, cell.phase)
-    variants = ("stock", "patched")
+class _Variant:
+    """One variant's side of a worker process: its model (stock, or patched once and for
+    all), and per cell its compiled forward and stepper. Each method is one request of the
+    parent (:class:`_Worker`); what it returns crosses the pipe (floats, CPU tensors)."""
 
-    def use(variant):
-        (patch if variant == "patched" else unpatch)(model)
+    def __init__(self, variant: str, preset: str, layers: int, device: str, seed: int):
+        from ..integrations.transformers import patch
 
-    unpatch(model)
-    if ref_key not in references:
+        self.device = device
+        self.model = build_model(preset, layers, device, seed, tiny=device != "cuda")
+        if variant == "patched":
+            patch(self.model)
+        self.stepper = self.stream = self.mode = None
+        self.counts = (0, 0)
+
+    def reference(self, stream, phase: str, generate: bool, steps: int):
+        """The stock eager model's last logits on ``stream`` (``steps`` decode steps, or one
+        prefill; for generate(), its first two steps' logits and its first token)."""
+        stream = stream.to(self.device)
         if generate:
-            _, logits, first = _generate(model, stream[:, :PROMPT], device, False, 2)
-            references[ref_key] = (logits, first)
+            _, logits, first = _generate(self.model, stream[:, :PROMPT], self.device, False, 2)
+            return [x.cpu() for x in logits], first.cpu()
+        ref = _Stepper(self.model, self.model.forward, stream, phase, self.device, False)
+        for i in range(steps if phase == "decode" else 1):
+            ref.step(i)
+        return [ref.logits.cpu()], None
+
+    def setup(self, mode: str, phase: str, stream, warmup: int) -> None:
+        """Compile (and record) the cell's step and run its untimed warm-up."""
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        self.mode, self.stream = mode, stream.to(self.device)
+        if mode == "generate":
+            _generate(self.model, self.stream[:, :PROMPT], self.device, self.device == "cuda",
+                      GENERATE_TOKENS[0])
         else:
-            ref = _Stepper(model, model.forward, stream, cell.phase, device, False)
-            for i in range(warmup + steps if cell.phase == "decode" else 1):
-                ref.step(i)
-            references[ref_key] = ([ref.logits], None)
-    ref_logits, ref_first = references[ref_key]
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    times = {v: [] for v in variants}
-    last, counts = {}, None
+            self.stepper = _Stepper(self.model, _forward(self.model, mode, self.device),
+                                    self.stream, phase, self.device,
+                                    mode == "reduce-overhead" and self.device == "cuda")
+            for i in range(warmup):
+                self.stepper.step(i)
+        self.counts = _counters()
+
+    def block(self, start: int, stop: int) -> list[float]:
+        """Timed steps ``start .. stop - 1`` (wall ms each)."""
+        return [self.stepper.step(i) for i in range(start, stop)]
+
+    def generate_round(self, lo: int, hi: int) -> float:
+        """ms per token of the tokens between a ``lo``- and a ``hi``-token generate() run
+        back to back."""
+        short, long = (_generate(self.model, self.stream[:, :PROMPT], self.device,
+                                 self.device == "cuda", n)[0] for n in (lo, hi))
+        return (long - short) / (hi - lo) * 1e3
+
+    def finish(self):
+        """``(logits, first token, graphs, breaks, recompiles after the warm-up)``; the cell's
+        compiled code and caches are dropped."""
+        if self.mode == "generate":
+            _, logits, first = _generate(self.model, self.stream[:, :PROMPT], self.device,
+                                         self.device == "cuda", 2)
+            logits, first = [x.cpu() for x in logits], first.cpu()
+        else:
+            logits, first = [self.stepper.logits.cpu()], None
+        graphs, breaks = self.counts
+        out = (logits, first, graphs, breaks, _counters()[0] - graphs)
+        self.stepper = self.stream = None
+        torch._dynamo.reset()
+        return out
+
+
+def _serve(conn, variant: str, preset: str, layers: int, device: str, seed: int,
+           native_wait: float) -> None:
+    """A worker process's loop: ``(name, args)`` requests in, ``(ok, result or error line)``
+    out, until ``stop`` or the parent's end of the pipe closes (the parent is gone: so is
+    this process)."""
+    if device == "cuda" and native_wait > 0:
+        from ..ops import _native
+
+        if _native.enabled():
+            _native.load(timeout=native_wait)  # built by the parent: loaded from the cache
     try:
-        if generate:
-            compiled_here = device == "cuda"
-            for v in variants:  # compile both
-                use(v)
-                _generate(model, stream[:, :PROMPT], device, compiled_here, GENERATE_TOKENS[0])
-            lo, hi = GENERATE_TOKENS
-            for r in range(GENERATE_ROUNDS if device == "cuda" else 1):  # CPU: untimed
-                # Per round and variant, the per-token time of the tokens between a short and
-                # a long generate() run back to back; the variants' order alternates, so a
-                # drift of the host's speed within a round favours neither.
-                for v in variants if r % 2 == 0 else variants[::-1]:
-                    use(v)
-                    short, long = (_generate(model, stream[:, :PROMPT], device, compiled_here,
-                                             n)[0] for n in (lo, hi))
-                    times[v].append((long - short) / (hi - lo) * 1e3)
+        state = _Variant(variant, preset, layers, device, seed)
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which stops
+        conn.send((False, _error_line(e)))
+        return
+    from ..ops import _native
+
+    # ready: the launch route this process's op takes, and a digest of the weights (both
+    # processes built them from one seed: the parent checks that they match)
+    with torch.no_grad():
+        digest = [float(p.float().sum()) for p in state.model.parameters()]
+    conn.send((True, (_native.status(), digest)))
+    while True:
+        try:
+            name, args = conn.recv()
+        except (EOFError, OSError):
+            return
+        if name == "stop":
+            return
+        try:
+            reply = (True, getattr(state, name)(*args))
+        except Exception as e:  # noqa: BLE001 - the cell's error, reported by the parent
+            reply = (False, _error_line(e))
+        try:
+            conn.send(reply)
+        except OSError:  # the parent is gone
+            return
+
+
+def _error_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+
+
+class WorkerError(RuntimeError):
+    """A worker's request failed (its error line), or the worker died or hung."""
+
+
+#: Seconds a worker may take over one request (a cell's compile and warm-up is the longest)
+#: before the parent gives up on it: a hung worker ends the run's cell, not the run.
+REQUEST_TIMEOUT = 1800.0
+
+
+class _Worker:
+    """A process holding one variant of one preset's model (:func:`_serve`): stock and
+    patched never share a process, as in a user's, so neither times the other's compiled
+    code, CUDA-graph trees or allocator pool (docs/design.md, "End-to-end bench")."""
+
+    def __init__(self, variant: str, preset: str, layers: int, device: str, seed: int,
+                 native_wait: float):
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no CUDA state forked
+        self.variant, self.preset = variant, preset
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, daemon=True, name=f"qkrope-e2e-{variant}",
+                                args=(child, variant, preset, layers, device, seed,
+                                      native_wait))
+        self.proc.start()
+        child.close()
+
+    def send(self, name: str, *args) -> None:
+        try:
+            self.conn.send((name, args))
+        except OSError:
+            raise self._died() from None
+
+    def _died(self) -> WorkerError:
+        self.proc.join(1)
+        return WorkerError(f"the {self.variant} worker died (exit code {self.proc.exitcode})")
+
+    def result(self, timeout: float = REQUEST_TIMEOUT):
+        """The reply to the last request; raises WorkerError with the worker's error line,
+        or when the worker died or overran ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while not self.conn.poll(0.5):
+            if not self.proc.is_alive():
+                raise self._died()
+            if time.monotonic() > deadline:
+                raise WorkerError(f"the {self.variant} worker gave no answer in {timeout:.0f} s")
+        try:
+            ok, value = self.conn.recv()
+        except (EOFError, OSError):  # its end closed: it died
+            raise self._died() from None
+        if not ok:
+            raise WorkerError(value)
+        return value
+
+    def call(self, name: str, *args):
+        self.send(name, *args)
+        return self.result()
+
+    def close(self) -> None:
+        try:
+            self.send("stop")
+        except WorkerError:
+            pass
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(10)
+        self.conn.close()
+
+
+def _measure(workers: dict, cell: Cell, stream, steps, warmup, device,
+             references: dict) -> None:
+    """Fill ``cell``: stock and patched, each in its worker, set up side by side (untimed),
+    then timed in alternating blocks (so a drift of the machine's speed hits both alike, and
+    only one process uses the GPU at a time), against the stock eager model (run once per
+    batch and phase: ``references``)."""
+    compiled = cell.mode != "eager"
+    generate = cell.mode == "generate"
+    ref_key = (cell.batch, generate, cell.phase)
+    variants = ("stock", "patched")
+    first_timed = warmup if cell.phase == "decode" else min(warmup, 2)
+    # The patched worker compiles while the stock one runs the reference, then compiles too:
+    # the host has the cores, and nothing is timed yet.
+    workers["patched"].send("setup", cell.mode, cell.phase, stream,
+                            0 if generate else first_timed)
+    if ref_key not in references:
+        references[ref_key] = workers["stock"].call("reference", stream, cell.phase, generate,
+                                                    warmup + steps)
+    ref_logits, ref_first = references[ref_key]
+    workers["stock"].send("setup", cell.mode, cell.phase, stream, 0 if generate else first_timed)
+    for v in variants:
+        workers[v].result()
+    times = {v: [] for v in variants}
+    if generate:
+        lo, hi = GENERATE_TOKENS
+        for r in range(GENERATE_ROUNDS if device == "cuda" else 1):  # CPU: untimed
+            # Per round and variant, the per-token time; the variants' order alternates, so a
+            # drift of the host's speed within a round favours neither.
+            for v in variants if r % 2 == 0 else variants[::-1]:
+                times[v].append(workers[v].call("generate_round", lo, hi))
+    else:
+        n = warmup + steps if cell.phase == "decode" else first_timed + max(3, steps // 6)
+        for start in range(first_timed, n, BLOCK):
             for v in variants:
-                use(v)
-                _, logits, first = _generate(model, stream[:, :PROMPT], device, compiled_here, 2)
-                last[v] = (logits, first)
-        else:
-            steppers = {}
-            for v in variants:
-                use(v)
-                steppers[v] = _Stepper(model, _forward(model, cell.mode, device), stream,
-                                       cell.phase, device, cudagraphs)
-            n = warmup + steps if cell.phase == "decode" else min(warmup, 2) + max(3, steps // 6)
-            first_timed = warmup if cell.phase == "decode" else min(warmup, 2)
-            for i in range(first_timed):  # warm-up: both variants compile and record
-                for v in variants:
-                    use(v)
-                    steppers[v].step(i)
-            counts = _counters()
-            for start in range(first_timed, n, BLOCK):
-                for v in variants:
-                    use(v)
-                    times[v] += [steppers[v].step(i) for i in range(start, min(n, start + BLOCK))]
-            last = {v: ([steppers[v].logits], None) for v in variants}
-    finally:
-        unpatch(model)
-    torch._dynamo.reset()
+                times[v] += workers[v].call("block", start, min(n, start + BLOCK))
+    last = {v: workers[v].call("finish") for v in variants}
     cell.stock_ms, cell.patched_ms = (statistics.median(times[v]) for v in variants)
     cell.stock_times, cell.patched_times = (times[v] for v in variants)
     cell.speedup_interval = speedup_interval(times["stock"], times["patched"])
@@ -377,19 +527,20 @@ def _measure(model, patch_fns, cell: Cell, stream, steps, warmup, device,
     # compiled model's own drift.
     cell.allowed_dev = eager_bar if not compiled or (generate and step == 0) else max(
         eager_bar, 2 * cell.stock_dev + _ulp(ref))
-    if compiled and not generate:
-        graphs, breaks = counts
-        cell.graphs, cell.graph_breaks = graphs, breaks
-        cell.recompiles_after_warmup = _counters()[0] - graphs
+    if compiled and not generate:  # graphs and breaks of both variants' warm-ups, summed
+        cell.graphs = sum(last[v][2] for v in variants)
+        cell.graph_breaks = sum(last[v][3] for v in variants)
+        cell.recompiles_after_warmup = sum(last[v][4] for v in variants)
 
 
 def run_e2e(presets: Sequence[str], batches: Sequence[int], modes: Sequence[str],
             phases: Sequence[str], layers: int = 4, steps: int = STEPS, warmup: int = 5,
             prefill_len: int = 512, seed: int = 0, progress=None,
-            on_update: Callable[[E2EReport], None] | None = None) -> E2EReport:
-    """Every (preset, batch, phase, mode) cell, stock vs patched. Without a CUDA GPU: a tiny
-    model through Triton's interpreter, correctness and graph counts only (no timing)."""
-    from ..integrations.transformers import patch, unpatch
+            on_update: Callable[[E2EReport], None] | None = None,
+            native_wait: float = 0.0) -> E2EReport:
+    """Every (preset, batch, phase, mode) cell, stock vs patched, each variant in a worker
+    process of its own per preset (:class:`_Worker`). Without a CUDA GPU: a tiny model through
+    Triton's interpreter, correctness and graph counts only (no timing)."""
     from .runner import environment
 
     timed = torch.cuda.is_available()
@@ -399,31 +550,46 @@ def run_e2e(presets: Sequence[str], batches: Sequence[int], modes: Sequence[str]
              if not (ph == "prefill" and m == "generate")]  # generate() times its own decode
     if progress is not None:
         progress.start(total=len(cells), count=len(cells))
-    models, references = {}, {}
-    for cell in cells:
-        if progress is not None:
-            progress.status(f"{cell.preset} batch {cell.batch} {cell.phase} {cell.mode}")
-        if cell.preset not in models:
-            models.clear()
-            torch.cuda.empty_cache() if timed else None
-            models[cell.preset] = build_model(cell.preset, layers, device, seed, tiny=not timed)
-        model = models[cell.preset]
-        g = torch.Generator(device="cpu").manual_seed(seed + cell.batch)
-        length = prefill_len if cell.phase == "prefill" else PROMPT + warmup + steps
-        stream = torch.randint(0, model.config.vocab_size, (cell.batch, length),
-                               generator=g).to(device)
-        try:
-            _measure(model, (patch, unpatch), cell, stream, steps, warmup, device, references)
-        except Exception as e:  # noqa: BLE001 - one failing cell is reported, not fatal
-            cell.error = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-        if not timed:
-            cell.stock_ms = cell.patched_ms = cell.speedup_interval = None
-            cell.stock_times = cell.patched_times = None
-        report.cells.append(cell)
-        if on_update is not None:
-            on_update(report)
-        if progress is not None:
-            progress.done(1)
+    workers, references = {}, {}
+
+    def stop_workers():
+        for w in workers.values():
+            w.close()
+        workers.clear()
+        references.clear()
+
+    try:
+        for cell in cells:
+            if progress is not None:
+                progress.status(f"{cell.preset} batch {cell.batch} {cell.phase} {cell.mode}")
+            if workers and workers["stock"].preset != cell.preset:
+                stop_workers()
+            g = torch.Generator(device="cpu").manual_seed(seed + cell.batch)
+            length = prefill_len if cell.phase == "prefill" else PROMPT + warmup + steps
+            vocab = VOCAB if timed else 256
+            stream = torch.randint(0, vocab, (cell.batch, length), generator=g)
+            try:
+                if not workers:
+                    for v in ("stock", "patched"):
+                        workers[v] = _Worker(v, cell.preset, layers, device, seed, native_wait)
+                    ready = {v: w.result() for v, w in workers.items()}  # models built
+                    if ready["stock"][1] != ready["patched"][1]:
+                        raise RuntimeError("the workers built different weights from one seed")
+                    report.environment["launch_route"] = ready["patched"][0]
+                _measure(workers, cell, stream, steps, warmup, device, references)
+            except Exception as e:  # noqa: BLE001 - one failing cell is reported, not fatal
+                cell.error = str(e) if isinstance(e, WorkerError) else _error_line(e)
+                stop_workers()  # a CUDA error poisons a process: the next cell starts afresh
+            if not timed:
+                cell.stock_ms = cell.patched_ms = cell.speedup_interval = None
+                cell.stock_times = cell.patched_times = None
+            report.cells.append(cell)
+            if on_update is not None:
+                on_update(report)
+            if progress is not None:
+                progress.done(1)
+    finally:
+        stop_workers()
     if timed:
         from .timing import op_host_times
 
@@ -457,7 +623,9 @@ def render_e2e_markdown(report: E2EReport) -> str:
              f"weights, vocab {VOCAB if report.timed else 256}, bf16, StaticCache; decode "
              f"step after {PROMPT} tokens, prefill of the given length. "
              + ", ".join(f"{k} {env[k]}" for k in ("gpu", "torch", "triton", "transformers",
-                                                    "commit") if env.get(k)), ""]
+                                                    "commit") if env.get(k))
+             + (f"; launch route {env['launch_route']}" if env.get("launch_route") else "")
+             + "; stock and patched each in a process of its own", ""]
     if not report.timed:
         lines += ["No CUDA device: a tiny model through Triton's interpreter, compiled with "
                   "dynamo's eager backend; correctness and graph counts only. Timing needs a "
@@ -560,7 +728,8 @@ def run_command(args, console, progress) -> int:
                          steps=args.steps if timed or args.steps != STEPS else 3,
                          warmup=5 if timed else 2,
                          prefill_len=args.prefill_len if timed or args.prefill_len != 512
-                         else 24, seed=args.seed, progress=progress, on_update=keep)
+                         else 24, seed=args.seed, progress=progress, on_update=keep,
+                         native_wait=args.native_wait if timed else 0.0)
     keep(report)
     print(render_e2e_markdown(report))
     if args.plot:
