@@ -218,8 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     e = b.add_argument_group(
         "end to end (--e2e)",
         "A Qwen3-family model (random weights, a few layers at a preset's width), stock vs "
-        "patched, decode step and prefill, in four modes; wall ms per step, host time "
-        "included, with a correctness column and graph counts (qkrope.bench.e2e). --model "
+        "patched (each in a process of its own), decode step and prefill, in four modes; "
+        "wall ms per step, host time included, with a correctness column and graph counts "
+        "(qkrope.bench.e2e). --model "
         "picks one preset (default: all); --json, --plot, --seed, --native-wait apply.")
     e.add_argument("--e2e", action="store_true",
                    help="run the end-to-end model benchmark instead of the op suite")
