@@ -590,7 +590,7 @@ def run_e2e(presets: Sequence[str], batches: Sequence[int], modes: Sequence[str]
                 progress.done(1)
     finally:
         stop_workers()
-    if timed:
+    if timed and any(c.error is None for c in report.cells):
         from .timing import op_host_times
 
         report.op_host_us = op_host_times()
