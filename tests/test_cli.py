@@ -510,7 +510,7 @@ def test_e2e_workers_report_errors_and_deaths_instead_of_hanging():
         assert route.startswith("python") and len(digest) > 4
         w.proc.kill()
         with pytest.raises(WorkerError, match="the stock worker died"):
-            w.call("block", 0, 1)
+            w.call("block", 0, 1, None)
     finally:
         w.close()
     assert not multiprocessing.active_children()

@@ -336,13 +336,15 @@ class _Variant:
                 self.stepper.step(i)
         self.counts = _counters()
 
-    def block(self, start: int, stop: int) -> list[float]:
-        """Timed steps ``start .. stop - 1`` (wall ms each)."""
+    def block(self, start: int, stop: int, core: int | None) -> list[float]:
+        """Timed steps ``start .. stop - 1`` (wall ms each), on ``core`` (:func:`_pin`)."""
+        _pin(core)
         return [self.stepper.step(i) for i in range(start, stop)]
 
-    def generate_round(self, lo: int, hi: int) -> float:
+    def generate_round(self, lo: int, hi: int, core: int | None) -> float:
         """ms per token of the tokens between a ``lo``- and a ``hi``-token generate() run
-        back to back."""
+        back to back, on ``core``."""
+        _pin(core)
         short, long = (_generate(self.model, self.stream[:, :PROMPT], self.device,
                                  self.device == "cuda", n)[0] for n in (lo, hi))
         return (long - short) / (hi - lo) * 1e3
@@ -356,11 +358,37 @@ class _Variant:
             logits, first = [x.cpu() for x in logits], first.cpu()
         else:
             logits, first = [self.stepper.logits.cpu()], None
+        _pin(None)  # the next cell's compile may use every core again
         graphs, breaks = self.counts
         out = (logits, first, graphs, breaks, _counters()[0] - graphs)
         self.stepper = self.stream = None
         torch._dynamo.reset()
         return out
+
+
+def _timing_core() -> int | None:
+    """The one core both workers time on (the parent's last), or None where threads cannot be
+    pinned. A thread's host speed depends on its core (its clock, a busy sibling thread, other
+    tenants of the machine), and two processes' threads land on cores of their own: unpinned,
+    a cell's stock and patched processes differed by up to 50% in host time for reasons
+    neither variant has (docs/design.md, "End-to-end bench")."""
+    try:
+        return max(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
+
+
+_ALL_CORES: set | None = None
+
+
+def _pin(core: int | None) -> None:
+    """Run this thread on ``core`` only; ``None``: on the cores it started with."""
+    global _ALL_CORES
+    if not hasattr(os, "sched_setaffinity"):
+        return
+    if _ALL_CORES is None:
+        _ALL_CORES = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, _ALL_CORES if core is None else {core})
 
 
 def _serve(conn, variant: str, preset: str, layers: int, device: str, seed: int,
@@ -499,18 +527,19 @@ def _measure(workers: dict, cell: Cell, stream, steps, warmup, device,
     for v in variants:
         workers[v].result()
     times = {v: [] for v in variants}
+    core = _timing_core()  # both time on one core, taking turns
     if generate:
         lo, hi = GENERATE_TOKENS
         for r in range(GENERATE_ROUNDS if device == "cuda" else 1):  # CPU: untimed
             # Per round and variant, the per-token time; the variants' order alternates, so a
             # drift of the host's speed within a round favours neither.
             for v in variants if r % 2 == 0 else variants[::-1]:
-                times[v].append(workers[v].call("generate_round", lo, hi))
+                times[v].append(workers[v].call("generate_round", lo, hi, core))
     else:
         n = warmup + steps if cell.phase == "decode" else first_timed + max(3, steps // 6)
         for start in range(first_timed, n, BLOCK):
             for v in variants:
-                times[v] += workers[v].call("block", start, min(n, start + BLOCK))
+                times[v] += workers[v].call("block", start, min(n, start + BLOCK), core)
     last = {v: workers[v].call("finish") for v in variants}
     cell.stock_ms, cell.patched_ms = (statistics.median(times[v]) for v in variants)
     cell.stock_times, cell.patched_times = (times[v] for v in variants)
