@@ -10,8 +10,8 @@ Each figure is wall time per step with the device synchronised, so host time cou
 Stock and patched each run in a worker process of their own, as in a user's process: nothing
 of the other variant there (compiled code, CUDA-graph trees, the allocator's pool; docs/
 design.md, "End-to-end bench"). The parent sets both up side by side (compiles, untimed), then
-times them in alternating blocks of :data:`BLOCK` steps, one process on the GPU at a time, so a
-drift of the machine's speed hits both alike. Beside each
+times them in alternating blocks of :data:`BLOCK` steps, one process on the GPU at a time and
+both on one core, so a drift of the machine's speed hits both alike. Beside each
 speed-up (the ratio of the median times), a 95% interval from resampling the pairs of i-th
 steps (:func:`speedup_interval`): a cell whose interval holds 1.0 is a tie within this run's
 noise.
@@ -396,18 +396,15 @@ def _serve(conn, variant: str, preset: str, layers: int, device: str, seed: int,
     """A worker process's loop: ``(name, args)`` requests in, ``(ok, result or error line)``
     out, until ``stop`` or the parent's end of the pipe closes (the parent is gone: so is
     this process)."""
-    if device == "cuda" and native_wait > 0:
-        from ..ops import _native
+    from ..ops import _native
 
-        if _native.enabled():
-            _native.load(timeout=native_wait)  # built by the parent: loaded from the cache
+    if device == "cuda" and native_wait > 0 and _native.enabled():
+        _native.load(timeout=native_wait)  # built by the parent: loaded from the cache
     try:
         state = _Variant(variant, preset, layers, device, seed)
     except Exception as e:  # noqa: BLE001 - reported to the parent, which stops
         conn.send((False, _error_line(e)))
         return
-    from ..ops import _native
-
     # ready: the launch route this process's op takes, and a digest of the weights (both
     # processes built them from one seed: the parent checks that they match)
     with torch.no_grad():
