@@ -516,6 +516,23 @@ def test_e2e_workers_report_errors_and_deaths_instead_of_hanging():
     assert not multiprocessing.active_children()
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no thread affinity here")
+def test_e2e_timing_pins_a_thread_to_one_core_and_back():
+    # Both workers time on one core (the parent's last), each pinned for its timed steps and
+    # back on every core for the next compile (docs/design.md, "End-to-end bench").
+    from qkrope.bench.e2e import _pin, _timing_core
+
+    before = os.sched_getaffinity(0)
+    core = _timing_core()
+    assert core == max(before)
+    try:
+        _pin(core)
+        assert os.sched_getaffinity(0) == {core}
+    finally:
+        _pin(None)
+    assert os.sched_getaffinity(0) == before
+
+
 def test_e2e_profile_summary_pools_one_variant_processes(tmp_path):
     # benchmarks/e2e_profile.py --summary: the rows of processes that each ran one variant
     # (device_session.sh iso), pooled per cell: medians over every step of a variant, stock ÷
