@@ -30,6 +30,9 @@
 #   bash benchmarks/device_session.sh iso [PRESET] [CELLS] # one variant per process, processes
 #                                                  # alternating s p p s ...: the reduce-overhead
 #                                                  # decode cells as users run them (~7 min)
+#   bash benchmarks/device_session.sh bound [PRESET] # e2e_profile stock, patched and free (a
+#                                                  # prologue reduced to the K/V copy), kernels
+#                                                  # by name: what any prologue could gain (~2 min)
 #   bash benchmarks/device_session.sh route [PRESET] # the op's C++ compile route: its GPU tests,
 #                                                  # host times, e2e_profile, e2e compile mode (~8 min)
 # What needs no GPU runs here instead: python benchmarks/compile_sm90.py (benchmarks/README.md).
@@ -173,6 +176,11 @@ case "${1:-tests}" in
       k=$((k + 1))
     done
     python3 benchmarks/e2e_profile.py --summary "$OUT"/iso-*.json | tee "$OUT/iso.md" ;;
+  bound) # docs/perf-notes.md, lead 7: stock ÷ free is the most a prologue could gain per cell
+    timeout 300 python3 benchmarks/e2e_profile.py --model "${2:-qwen3-8b}" --variants \
+      stock,patched,free --cells eager:1:decode,compile:1:decode,reduce-overhead:1:decode,reduce-overhead:8:decode \
+      --top 40 --json "$OUT/bound.json" > "$OUT/bound.md" 2>&1; echo "bound rc=$?"
+    grep -E "^###|^\| " "$OUT/bound.md" ;;
   route) # the registered op's C++ kernel (csrc/op_route.cpp): its tests, the op's host time in a
          # graph, what a compiled step launches, then the compiled cells of the e2e table
     timeout 240 python3 -m pytest -q -p no:cacheprovider -n 12 tests/test_compile.py \
