@@ -27,9 +27,6 @@
 #   bash benchmarks/device_session.sh e2e-ab SRC [ARGS] # e2e cells, another tree's src/ (e.g. a
 #                                                  # carried `git archive REV src` copy) against
 #                                                  # the working tree, alternating (~5 min)
-#   bash benchmarks/device_session.sh iso [PRESET] [CELLS] # one variant per process, processes
-#                                                  # alternating s p p s ...: the reduce-overhead
-#                                                  # decode cells as users run them (~7 min)
 #   bash benchmarks/device_session.sh bound [PRESET] # e2e_profile stock, patched and free (a
 #                                                  # prologue reduced to the K/V copy), kernels
 #                                                  # by name: what any prologue could gain (~2 min)
@@ -163,19 +160,6 @@ case "${1:-tests}" in
         done
       done
     done ;;
-  iso)   # each variant alone in its process (nothing of the other in it: compiled code,
-         # CUDA-graph trees, allocator pool), processes alternating while under 6 minutes;
-         # then the speed-up per cell over all of them (docs/perf-notes.md, lead 5 g)
-    cells=${3:-reduce-overhead:1:decode,reduce-overhead:8:decode,reduce-overhead:64:decode}
-    t0=$(date +%s); k=0
-    for v in stock patched patched stock stock patched patched stock; do
-      [ $(( $(date +%s) - t0 )) -gt 360 ] && break
-      timeout 200 python3 benchmarks/e2e_profile.py --model "${2:-qwen3-8b}" --cells "$cells" \
-        --variants $v --steps 60 --top 0 --run $k --json "$OUT/iso-$k.json" > /tmp/iso-run.md 2>&1
-      echo "run $k $v rc=$? t=$(( $(date +%s) - t0 ))s"; grep "^###" /tmp/iso-run.md
-      k=$((k + 1))
-    done
-    python3 benchmarks/e2e_profile.py --summary "$OUT"/iso-*.json | tee "$OUT/iso.md" ;;
   bound) # docs/perf-notes.md, lead 7: stock ÷ free is the most a prologue could gain per cell
     timeout 300 python3 benchmarks/e2e_profile.py --model "${2:-qwen3-8b}" --variants \
       stock,patched,free --cells eager:1:decode,compile:1:decode,reduce-overhead:1:decode,reduce-overhead:8:decode \

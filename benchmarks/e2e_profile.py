@@ -9,16 +9,13 @@ work (kernels the patch adds or removes) or in host time (the op's call in the g
         [--variants stock,patched[,free]] [--steps 20] [--json rows.json]
 
 Same model, caches and steps as ``qkrope bench --e2e`` (``qkrope.bench.e2e``); GPU only. The
-variants run one after the other, each ``--steps`` timed steps: no interleaving, so a wall
-clock here is no speed-up. ``--variants patched`` alone, in processes alternating with
-``--variants stock`` (``benchmarks/device_session.sh iso``), times each variant the way a
-user's process runs it, with nothing of the other variant in the process (compiled code,
-CUDA-graph trees, the caching allocator's pool): the check on the bench's in-process
-interleaving (docs/perf-notes.md, lead 5 g). ``--variants ...,free`` adds the patched model
-with a prologue reduced to a copy of the new K/V rows into the cache (no norm, no rotary, no
-row addressing; its logits are wrong): stock ÷ free is about the most any implementation of
-the prologue can gain in that cell, the bound a target such as "batch 1 eager ≥ 1.3×" is
-checked against.
+variants run one after the other in this process, each ``--steps`` timed steps: no
+interleaving, so a wall clock here is no speed-up (``qkrope bench --e2e`` gives those). Each
+step's host part (until the forward returned) is kept beside its wall time. ``--variants
+...,free`` adds the patched model with a prologue reduced to a copy of the new K/V rows into
+the cache (no norm, no rotary, no row addressing; its logits are wrong): stock ÷ free is about
+the most any implementation of the prologue can gain in that cell, the bound a target such as
+"batch 1 eager ≥ 1.3×" is checked against (docs/perf-notes.md, lead 7).
 """
 
 from __future__ import annotations
@@ -65,15 +62,7 @@ def main(argv=None) -> int:
                         "most any prologue could gain)")
     p.add_argument("--steps", type=int, default=20, help="timed steps per variant and cell")
     p.add_argument("--json", help="write one row per cell and variant here")
-    p.add_argument("--run", type=int, default=0, help="this process's place in a series "
-                   "(kept in --json's rows: --summary lists the processes in run order)")
-    p.add_argument("--summary", nargs="+", metavar="JSON",
-                   help="no run: the speed-up per cell from these files' rows (--json of "
-                        "several processes; no GPU needed)")
     args = p.parse_args(argv)
-    if args.summary:
-        print(summary([r for path in args.summary for r in json.load(open(path))]))
-        return 0
     if not torch.cuda.is_available():
         print("e2e_profile.py needs CUDA")
         return 1
@@ -152,50 +141,10 @@ def main(argv=None) -> int:
     print("\n".join(rows))
     if args.json:
         env = dict(torch=torch.__version__, gpu=torch.cuda.get_device_name(),
-                   layers=args.layers, run=args.run)
+                   layers=args.layers)
         with open(args.json, "w") as f:
             json.dump([{**r, **env} for r in records], f, indent=1)
     return 0
-
-
-def summary(records: list[dict]) -> str:
-    """Markdown: per cell, each variant's median wall ms over all its processes' steps, the
-    speed-up (stock ÷ patched), and each process's own median in run order (a drift of the
-    machine shows there), GPU µs and guards."""
-    cells = collections.defaultdict(lambda: collections.defaultdict(list))
-    for r in records:
-        cells[(r["model"], r["mode"], r["batch"], r["phase"])][r["variant"]].append(r)
-    env = records[0] if records else {}
-    out = [f"{env.get('gpu', '')}, torch {env.get('torch', '')}, {env.get('layers', '')} "
-           f"layers; one variant per process", "",
-           "| model | mode | batch | phase | stock ms | patched ms | speed-up | host ms stock / "
-           "patched | per process (run order) | GPU µs stock / patched | guards stock / patched |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for (model, mode, batch, phase), per in cells.items():
-        med = {v: statistics.median(w for r in rs for w in r["wall_ms"])
-               for v, rs in per.items()}
-        runs = sorted((r for rs in per.values() for r in rs), key=lambda r: r.get("run", 0))
-        order = ", ".join(f"{r['variant'][0]} {statistics.median(r['wall_ms']):.3f}"
-                          for r in runs)
-
-        def mean(v, key):
-            xs = [r[key] for r in per.get(v, ()) if r.get(key) is not None]
-            return f"{statistics.mean(xs):.0f}" if xs else "—"
-
-        ratio = (f"{med['stock'] / med['patched']:.3f}×" if {"stock", "patched"} <= set(med)
-                 else "—")
-
-        def host(v):  # median host part of a step: up to the forward's return
-            xs = [h for r in per.get(v, ()) for h in r.get("host_ms") or ()]
-            return f"{statistics.median(xs):.3f}" if xs else "—"
-
-        out.append(f"| {model} | {mode} | {batch} | {phase} | "
-                   f"{med.get('stock', float('nan')):.3f} | {med.get('patched', float('nan')):.3f}"
-                   f" | {ratio} | {host('stock')} / {host('patched')} | {order} | "
-                   f"{mean('stock', 'gpu_us')} / "
-                   f"{mean('patched', 'gpu_us')} | {mean('stock', 'guards')} / "
-                   f"{mean('patched', 'guards')} |")
-    return "\n".join(out)
 
 
 def _guard_us(stepper, i: int, calls: int = 500):

@@ -533,35 +533,6 @@ def test_e2e_timing_pins_a_thread_to_one_core_and_back():
     assert os.sched_getaffinity(0) == before
 
 
-def test_e2e_profile_summary_pools_one_variant_processes(tmp_path):
-    # benchmarks/e2e_profile.py --summary: the rows of processes that each ran one variant
-    # (device_session.sh iso), pooled per cell: medians over every step of a variant, stock ÷
-    # patched, each process's median in run order.
-    import subprocess
-    from pathlib import Path
-
-    def rows(run, variant, walls):
-        return [dict(model="qwen3-8b", mode="reduce-overhead", batch=8, phase="decode",
-                     variant=variant, wall_ms=walls, host_ms=[w / 4 for w in walls], kernels=90,
-                     gpu_us=700.0 if variant == "stock" else 650.0 + run,
-                     guards=700, guard_us=30.0, torch="t", gpu="g", layers=4, run=run)]
-
-    paths = []
-    for run, variant, walls in ((0, "stock", [1.2, 1.1, 1.0]), (1, "patched", [1.0, 0.9]),
-                                (2, "patched", [1.0, 1.1, 1.0]), (3, "stock", [1.1, 1.3])):
-        paths.append(tmp_path / f"iso-{run}.json")
-        paths[-1].write_text(json.dumps(rows(run, variant, walls)))
-    tool = Path(__file__).resolve().parents[1] / "benchmarks" / "e2e_profile.py"
-    out = subprocess.run([sys.executable, str(tool), "--summary", *map(str, paths)],
-                         capture_output=True, text=True, check=True).stdout
-    row = next(line for line in out.splitlines() if line.startswith("| qwen3-8b"))
-    # stock steps 1.0 1.1 1.1 1.2 1.3 -> 1.1; patched 0.9 1.0 1.0 1.0 1.1 -> 1.0
-    # host parts (a quarter of each step here) pooled the same way
-    assert ("| 1.100 | 1.000 | 1.100× | 0.275 / 0.250 | s 1.100, p 0.950, p 1.000, s 1.200 |"
-            in row), row
-    assert "| 700 / 652 | 700 / 700 |" in row  # GPU µs: means (patched 651.5)
-
-
 def test_e2e_usage_errors(capsys):
     for argv, what in ((["--model", "qwen3-coder-480b"], "--e2e --model"),
                        (["--layout", "paged"], "do not apply")):
