@@ -565,8 +565,9 @@ def run_e2e(presets: Sequence[str], batches: Sequence[int], modes: Sequence[str]
             on_update: Callable[[E2EReport], None] | None = None,
             native_wait: float = 0.0) -> E2EReport:
     """Every (preset, batch, phase, mode) cell, stock vs patched, each variant in a worker
-    process of its own per preset (:class:`_Worker`). Without a CUDA GPU: a tiny model through
-    Triton's interpreter, correctness and graph counts only (no timing)."""
+    process of its own per preset (:class:`_Worker`; spawned, so a script calling this does so
+    under ``if __name__ == "__main__":``). Without a CUDA GPU: a tiny model through Triton's
+    interpreter, correctness and graph counts only (no timing)."""
     from .runner import environment
 
     timed = torch.cuda.is_available()
