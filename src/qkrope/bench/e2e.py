@@ -43,6 +43,7 @@ __all__ = ["PRESETS", "MODES", "PHASES", "E2EReport", "run_e2e", "render_e2e_mar
            "speedup_interval", "write_e2e_json", "write_e2e_plot", "run_command"]
 
 VOCAB = 32000  # every preset: the lm_head is a constant of both models, kept small
+TINY_VOCAB = 256  # the CPU path's tiny model
 #: Attention and MLP widths of the presets (their linear-attention layers are left out: the
 #: patch does not touch them).
 PRESETS = {
@@ -121,7 +122,7 @@ def build_model(preset: str, layers: int, device: str, seed: int = 0, tiny: bool
     import transformers
 
     family, width = PRESETS[preset]
-    cfg = dict(width if not tiny else TINY, vocab_size=VOCAB if not tiny else 256,
+    cfg = dict(width if not tiny else TINY, vocab_size=VOCAB if not tiny else TINY_VOCAB,
                num_hidden_layers=layers, max_position_embeddings=40960, rms_norm_eps=1e-6)
     torch.manual_seed(seed)
     if family == "qwen3":
@@ -351,7 +352,7 @@ class _Variant:
 
     def finish(self):
         """``(logits, first token, graphs, breaks, recompiles after the warm-up)``; the cell's
-        compiled code and caches are dropped."""
+        stepper and its cache are dropped."""
         if self.mode == "generate":
             _, logits, first = _generate(self.model, self.stream[:, :PROMPT], self.device,
                                          self.device == "cuda", 2)
@@ -360,10 +361,8 @@ class _Variant:
             logits, first = [self.stepper.logits.cpu()], None
         _pin(None)  # the next cell's compile may use every core again
         graphs, breaks = self.counts
-        out = (logits, first, graphs, breaks, _counters()[0] - graphs)
-        self.stepper = self.stream = None
-        torch._dynamo.reset()
-        return out
+        self.stepper = self.stream = None  # the next setup resets the compiled code
+        return (logits, first, graphs, breaks, _counters()[0] - graphs)
 
 
 def _timing_core() -> int | None:
@@ -593,7 +592,7 @@ def run_e2e(presets: Sequence[str], batches: Sequence[int], modes: Sequence[str]
                 stop_workers()
             g = torch.Generator(device="cpu").manual_seed(seed + cell.batch)
             length = prefill_len if cell.phase == "prefill" else PROMPT + warmup + steps
-            vocab = VOCAB if timed else 256
+            vocab = VOCAB if timed else TINY_VOCAB
             stream = torch.randint(0, vocab, (cell.batch, length), generator=g)
             try:
                 if not workers:
@@ -647,7 +646,7 @@ def _interval(c: Cell) -> str:
 def render_e2e_markdown(report: E2EReport) -> str:
     env = report.environment
     lines = [f"End to end: {report.layers} decoder layers at each preset's width, random "
-             f"weights, vocab {VOCAB if report.timed else 256}, bf16, StaticCache; decode "
+             f"weights, vocab {VOCAB if report.timed else TINY_VOCAB}, bf16, StaticCache; decode "
              f"step after {PROMPT} tokens, prefill of the given length. "
              + ", ".join(f"{k} {env[k]}" for k in ("gpu", "torch", "triton", "transformers",
                                                     "commit") if env.get(k))
