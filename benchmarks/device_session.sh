@@ -21,9 +21,6 @@
 #   bash benchmarks/device_session.sh ab-model REV MODEL # the same on MODEL's heads and options
 #   bash benchmarks/device_session.sh variants REV NAME... # kernel_ab: REV, the tree, variants
 #   bash benchmarks/device_session.sh verify REV # after a kernel change: tests, suite, A/B, sweep
-#   bash benchmarks/device_session.sh partial-freqs # variant partial_rotary_freqs: GPU tests, A/B on qwen3.5
-#   bash benchmarks/device_session.sh fp8-stores # variants fma_division, satfinite_store, fp8_stores:
-#                                                  # FP8 GPU tests, static-scale FP8 modes A/B
 #   bash benchmarks/device_session.sh e2e-ab SRC [ARGS] # e2e cells, another tree's src/ (e.g. a
 #                                                  # carried `git archive REV src` copy) against
 #                                                  # the working tree, alternating (~5 min)
@@ -128,38 +125,6 @@ case "${1:-tests}" in
              --rows 1:0:1,2:0:1,4:0:1,6:0:1,8:0:1,16:0:1,32:0:1,64:0:1,1:511:4,1:511:16 \
              --json "$OUT/small-tiles-$m.json" 2>&1 | tee "$OUT/small-tiles-$m.md"
          done ;;
-  partial-freqs) # the open lead of docs/perf-notes.md (~6 min): the GPU tests on the patched
-          # tree, then the working tree and the patched tree against 1fc148b (a commit the device
-          # copy's git holds) on Qwen3.5's heads, interleaved
-    python3 benchmarks/variants.py /tmp/v partial_rotary_freqs || exit 1
-    PYTHONPATH=/tmp/v/partial_rotary_freqs/src${PYTHONPATH:+:$PYTHONPATH} python3 -m pytest -q \
-      tests/ -p no:cacheprovider -n 12 2>&1 | tee "$OUT/pytest-partial-freqs.log" | tail -4
-    python3 benchmarks/kernel_ab.py --rev 1fc148b --model qwen3.5-27b \
-      --tree freqs=/tmp/v/partial_rotary_freqs/src --rounds 3 --iters 40 \
-      --workloads 1,2,3,4,5,8,10,12,13,p1,p2 --json "$OUT/kernel-ab-partial-freqs.json" \
-      2>&1 | tee "$OUT/kernel-ab-partial-freqs.md" ;;
-  fp8-stores) # the open lead of docs/perf-notes.md (~8 min): the FP8 tests on the fp8_stores
-          # variant's tree (fma_division + satfinite_store), then the static-scale FP8 modes on
-          # the tree and on each variant, alternating
-    python3 benchmarks/variants.py /tmp/v fma_division satfinite_store fp8_stores || exit 1
-    V=/tmp/v/fp8_stores/src${PYTHONPATH:+:$PYTHONPATH}
-    PYTHONPATH=$V timeout 200 python3 -m pytest -q -p no:cacheprovider -n 12 \
-      tests/test_fp8_outputs.py tests/test_per_token_head.py tests/test_qknorm_rope.py \
-      tests/test_gpu.py 2>&1 | tail -3
-    for round in 1 2; do
-      for mode in fp8 fp8-pth-q8; do
-        f="--kv-dtype fp8"; [ $mode = fp8-pth-q8 ] && f="$f --kv-scales per-token-head --q-out fp8"
-        for tree in production fma_division satfinite_store fp8_stores; do
-          p=${PYTHONPATH:-}; [ $tree != production ] && p=/tmp/v/$tree/src${PYTHONPATH:+:$PYTHONPATH}
-          # (one summary file: the device tool returns at most 8)
-          PYTHONPATH=$p timeout 60 python3 -m qkrope bench --impl qkrope $f --no-graph \
-            --host-calls 100 > /tmp/fp8-run.md 2>&1
-          echo "round $round $mode $tree rc=$?" | tee -a "$OUT/fp8-stores.md"
-          grep -E "Geometric|^\| [0-9]" /tmp/fp8-run.md >> "$OUT/fp8-stores.md"
-          grep Geometric /tmp/fp8-run.md
-        done
-      done
-    done ;;
   bound) # docs/perf-notes.md, lead 7: stock ÷ free is the most a prologue could gain per cell
     timeout 300 python3 benchmarks/e2e_profile.py --model "${2:-qwen3-8b}" --variants \
       stock,patched,free --cells eager:1:decode,compile:1:decode,reduce-overhead:1:decode,reduce-overhead:8:decode \

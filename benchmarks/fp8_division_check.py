@@ -1,10 +1,11 @@
-"""Exhaustive CPU check of the ``fma_division`` variant's arithmetic (benchmarks/variants.py):
-for every finite bf16 and fp16 value x and many fp32 scales s, is
+"""Exhaustive CPU check of the kernel's static-scale FP8 quotient (``kernel._store_scaled`` on a
+GPU; the interpreter keeps ``div_rn``): for every finite bf16 and fp16 value x and many fp32
+scales s, is
 
     r = RN(1 / s);  q0 = RN(x * r);  q1 = RN(q0 + RN(x - q0 * s) * r)   (both FMAs one rounding)
     q = q1 if |q1| > 0 else q0
 
-stored as the same e4m3 code as the IEEE quotient RN(x / s) (spec.md R4: saturate to +-448,
+stored as the same e4m3 and e5m2 codes as the IEEE quotient RN(x / s) (spec.md R4: saturate to +-448,
 nearest even, NaN kept)? The FMAs are emulated exactly in float64 (products of two fp32 are
 exact there; the sum is split by TwoSum, so a float64 sum that lands on an fp32 midpoint is
 resolved by its error term). The reference quotient is float64 division rounded to fp32, which
@@ -13,7 +14,7 @@ is the correctly rounded fp32 quotient (53 >= 2 * 24 + 2).
     python benchmarks/fp8_division_check.py                 # 2,000 random scales + edge cases
     python benchmarks/fp8_division_check.py --scales 20000 --seed 3
 
-Exit status 1 when any code differs (the variant must then not be adopted).
+Exit status 1 when any code differs (the kernel's quotient is then wrong).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
     return np.where(on_dn & (err < 0), dn, out)
 
 
-def variant_quotient(x: np.ndarray, s: F32) -> np.ndarray:
+def kernel_quotient(x: np.ndarray, s: F32) -> np.ndarray:
     sv = np.full_like(x, s)
     r = F32(1.0 / F64(s))
     rv = np.full_like(x, r)
@@ -52,10 +53,14 @@ def variant_quotient(x: np.ndarray, s: F32) -> np.ndarray:
         return np.where(np.abs(q1) > 0, q1, q0)
 
 
-def e4m3_codes(q: np.ndarray) -> np.ndarray:
+#: FP8 dtype -> its largest finite value (the store saturates there).
+FP8 = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+def fp8_codes(q: np.ndarray, fp8: torch.dtype = torch.float8_e4m3fn) -> np.ndarray:
     t = torch.from_numpy(np.ascontiguousarray(q))
-    return torch.where(t.isnan(), t, t.clamp(-448, 448)).to(torch.float8_e4m3fn).view(
-        torch.uint8).numpy()
+    top = FP8[fp8]
+    return torch.where(t.isnan(), t, t.clamp(-top, top)).to(fp8).view(torch.uint8).numpy()
 
 
 def every_value(dtype: torch.dtype) -> np.ndarray:
@@ -80,19 +85,23 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     ss = scales(args.scales, args.seed)
     worst = 0
-    print("| x dtype | values | scales | e4m3 codes differing | fp32 quotients differing (|x/s| > 2**-12) |")
-    print("|---|---|---|---|---|")
+    print("| x dtype | values | scales | e4m3 codes differing | e5m2 codes differing | "
+          "fp32 quotients differing (|x/s| > 2**-12) |")
+    print("|---|---|---|---|---|---|")
     for dtype in (torch.bfloat16, torch.float16):
         x = every_value(dtype)
-        codes = quotients = 0
+        codes = {fp8: 0 for fp8 in FP8}
+        quotients = 0
         with np.errstate(over="ignore", invalid="ignore"):
             for s in ss:
                 ref = (x.astype(F64) / F64(s)).astype(F32)
-                q = variant_quotient(x, s)
-                codes += int((e4m3_codes(q) != e4m3_codes(ref)).sum())
+                q = kernel_quotient(x, s)
+                for fp8 in FP8:
+                    codes[fp8] += int((fp8_codes(q, fp8) != fp8_codes(ref, fp8)).sum())
                 quotients += int(((q != ref) & (np.abs(ref) > 2.0**-12)).sum())
-        worst = max(worst, codes)
-        print(f"| {str(dtype).removeprefix('torch.')} | {len(x)} | {len(ss)} | {codes} | {quotients} |")
+        worst = max(worst, *codes.values())
+        print(f"| {str(dtype).removeprefix('torch.')} | {len(x)} | {len(ss)} | "
+              f"{codes[torch.float8_e4m3fn]} | {codes[torch.float8_e5m2]} | {quotients} |")
     return 1 if worst else 0
 
 

@@ -13,8 +13,9 @@ A variant is used two ways:
 Every text to replace must occur exactly once (``every``: at least once), so a kernel change
 breaks a variant loudly instead of silently timing the production kernel
 (tests/test_variants.py). Variants that were adopted or refuted (rstd_first, two_q_heads,
-trig_first_single_row; the eviction hints of docs/design.md §Tile rule) are in git history
-(commit bdd73a8). What each variant measured: docs/design.md.
+trig_first_single_row; the eviction hints of docs/design.md §Tile rule: commit bdd73a8;
+partial_rotary_freqs, fma_division, satfinite_store, fp8_stores: adopted, in git before the
+commit that adopted them) are in git history. What each variant measured: docs/design.md.
 
     python benchmarks/variants.py /tmp/v [NAME ...]     # writes /tmp/v/<name>/src, prints it
 """
@@ -58,54 +59,6 @@ _NO_TRIG = [Edit(KERNEL, "cos = libdevice.cos(angle)", "cos = angle * 0.0 + 1.0"
 _TRIG_HW = [Edit(KERNEL, "cos = libdevice.cos(angle)", "cos = libdevice.fast_cosf(angle)"),
             Edit(KERNEL, "sin = libdevice.sin(angle)", "sin = libdevice.fast_sinf(angle)")]
 
-# Partial NeoX rotary (Qwen3.5: 64 of 256 dims), the low half: NeoX's frequency of dim d is
-# d % (ROT / 2), so cos/sin of the ROT / 2 distinct frequencies (32, not 128) tiled over the
-# half give the same values (exact: tests/test_variants.py). Open lead: docs/perf-notes.md.
-_PARTIAL_ROTARY_FREQS = Edit(KERNEL, '''    angle = _angles(pos_ptr, pos_off, t_mask, freq, inv_freq_ptr, stride_inv_freq, stride_pos_r,
-                    MROPE, SEC_T, SEC_H, SEC_W, WIDE)
-    cos, sin = _cos_sin(angle[None, :, :], DT, COS_SIN_SCALE, INTERPRETER)
-''', '''    R2: tl.constexpr = ROT // 2
-    BT: tl.constexpr = x.shape[1]
-    N: tl.constexpr = x.shape[2]
-    # Only ever true for the low half (d = arange(N)): the high half is rotated only when
-    # GPT-J or ROT > N.
-    PERIODIC: tl.constexpr = (not GPTJ) and ROT <= N and N % R2 == 0 and (R2 & (R2 - 1)) == 0
-    if PERIODIC:
-        angle = _angles(pos_ptr, pos_off, t_mask, tl.arange(0, R2), inv_freq_ptr,
-                        stride_inv_freq, stride_pos_r, MROPE, SEC_T, SEC_H, SEC_W, WIDE)
-        cos, sin = _cos_sin(angle, DT, COS_SIN_SCALE, INTERPRETER)
-        cos = tl.reshape(tl.broadcast_to(cos[:, None, :], (BT, N // R2, R2)), (BT, N))[None]
-        sin = tl.reshape(tl.broadcast_to(sin[:, None, :], (BT, N // R2, R2)), (BT, N))[None]
-    else:
-        angle = _angles(pos_ptr, pos_off, t_mask, freq, inv_freq_ptr, stride_inv_freq,
-                        stride_pos_r, MROPE, SEC_T, SEC_H, SEC_W, WIDE)
-        cos, sin = _cos_sin(angle[None, :, :], DT, COS_SIN_SCALE, INTERPRETER)
-''')
-
-# Static FP8 scales: the quotient x / s from the head's reciprocal and one FMA correction
-# instead of a div_rn per element (MUFU.RCP + FCHK + a slow-path branch each). Gives the IEEE
-# quotient's e4m3 code for every bf16 and fp16 x on the scales benchmarks/fp8_division_check.py
-# tries; the interpreter (no fused FMA) keeps div_rn. Open lead: docs/perf-notes.md.
-_FMA_DIVISION = Edit(KERNEL, '''        _store_fp8(out_ptr, off, tl.math.div_rn(vals.to(tl.float32), scale), mask, INTERPRETER)
-''', '''        x = vals.to(tl.float32)
-        if INTERPRETER:
-            q = tl.math.div_rn(x, scale)
-        else:
-            r = tl.math.div_rn(1.0, scale)
-            q0 = x * r
-            q1 = tl.fma(tl.fma(-q0, scale, x), r, q0)
-            q = tl.where(tl.abs(q1) > 0.0, q1, q0)  # +-0 keeps its sign; +-inf, NaN: q0
-        _store_fp8(out_ptr, off, q, mask, INTERPRETER)
-''')
-
-# FP8 stores through the conversion's own saturation: Triton converts fp32 to e4m3 / e5m2 with
-# PTX cvt.rn.satfinite (seen in the sm_90 PTX: 16 cvt.rn.satfinite.e4m3x2.f32 on row 3), which
-# clamps +-inf and out-of-range values to the largest finite value and gives NaN the code 0x7F,
-# so on the GPU the production clamp (2 FMNMX an element) and NaN select are the conversion's
-# own work done twice. The interpreter, whose cast truncates, keeps the production store.
-_SATFINITE = Edit(QUANTIZE, "        stored = tl.where(v != v, v, clamped).to(FP8)\n",
-                  "        stored = v.to(FP8)  # cvt.rn.satfinite: saturates; NaN -> 0x7F\n")
-
 #: name -> (what it probes, edits).
 VARIANTS: dict[str, tuple[str, list[Edit]]] = {
     "skeleton": ("loads and stores only, no norm, rotation or trig: a lower bound for this "
@@ -117,16 +70,6 @@ VARIANTS: dict[str, tuple[str, list[Edit]]] = {
     "int32_addressing": ("every int64 conversion made int32: what int64 offsets cost (wrong "
                          "past 2**31 elements by design)",
                          [Edit(KERNEL, ".to(tl.int64)", ".to(tl.int32)", every=True)]),
-    "partial_rotary_freqs": ("partial NeoX rotary: cos/sin on the ROT / 2 distinct frequencies "
-                             "(exact; a candidate)", [_PARTIAL_ROTARY_FREQS]),
-    "fma_division": ("static FP8 scales: reciprocal per head + one FMA correction per element "
-                     "instead of div_rn (exact on the checked inputs; a candidate)",
-                     [_FMA_DIVISION]),
-    "satfinite_store": ("FP8 stores left to the conversion's saturation and NaN code, no clamp "
-                        "or select on the GPU (exact per PTX's cvt.satfinite; a candidate)",
-                        [_SATFINITE]),
-    "fp8_stores": ("fma_division and satfinite_store together (a candidate)",
-                   [_FMA_DIVISION, _SATFINITE]),
 }
 
 

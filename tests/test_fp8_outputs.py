@@ -4,6 +4,9 @@ rotated row it computes in the activation dtype (spec.md R4), through both entry
 tensor and per head, next to bf16 or FP8 caches; special values; the store's rounding for every
 bf16 value; refusals by name. CPU: the real kernel in Triton's interpreter."""
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 import triton
@@ -13,8 +16,11 @@ from test_qknorm_rope import PCase, make
 
 import qkrope
 from qkrope._interpret import interpreting
+from qkrope.ops.qknorm_rope.launcher import saturating_fp8_cvt
 from qkrope.ops.qknorm_rope.quantize import _store_fp8
 from qkrope.ops.qknorm_rope.reference import quantize
+
+ROOT = Path(__file__).resolve().parents[1]
 
 FP8 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -172,26 +178,48 @@ def test_validate_names_a_bad_q_scale_value():
 
 
 @triton.jit
-def _store_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, INTERPRETER: tl.constexpr):
+def _store_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, INTERPRETER: tl.constexpr,
+                  SAT_CVT: tl.constexpr):
     off = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     v = tl.load(x_ptr + off, mask=off < n, other=0.0)
-    _store_fp8(out_ptr, off, v, off < n, INTERPRETER)
+    _store_fp8(out_ptr, off, v, off < n, INTERPRETER, SAT_CVT)
 
 
+@pytest.mark.parametrize("sat_cvt", [False, True], ids=["clamp", "satfinite"])
 @pytest.mark.parametrize("dtype", [FP8, E5M2], ids=["e4m3", "e5m2"])
-def test_fp8_store_rounds_every_bf16_value_as_the_oracle(dtype):
+def test_fp8_store_rounds_every_bf16_value_as_the_oracle(dtype, sat_cvt):
     """The kernel's FP8 store (``quantize._store_fp8``: saturate, nearest even, NaN as 0x7F; in
-    the interpreter its own rounding of the fp32 bits, on a GPU the hardware conversion) against
-    the oracle's (clamp + torch's cast), for every bf16 bit pattern, values between them, and
-    values around either dtype's largest and subnormal steps."""
+    the interpreter its own rounding of the fp32 bits, on a GPU the hardware conversion, with
+    the explicit clamp or, ``satfinite``, the conversion's own saturation) against the oracle's
+    (clamp + torch's cast), for every bf16 bit pattern, values between them, and values around
+    either dtype's largest and subnormal steps."""
+    if sat_cvt and not saturating_fp8_cvt(torch.empty(0, device=DEVICE).device):
+        pytest.skip("the saturating conversion needs a GPU of compute capability 8.9 on")
     bf16 = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
     edges = torch.tensor([448.0, 464.0, 480.0, 57344.0, 57343.9, 61439.9, 61440.0, 2.0**-9,
                           2.0**-10, 1.5 * 2**-10, 2.0**-16, 2.0**-17, 1.5 * 2**-17, 2.5 * 2**-16])
     x = torch.cat((bf16, bf16 * (1 + 2**-9), edges, -edges)).to(DEVICE)
     out = torch.empty(x.numel(), dtype=dtype, device=DEVICE)
     block = 32768
-    _store_kernel[(triton.cdiv(x.numel(), block),)](x, out, x.numel(), BLOCK=block,
-                                                   INTERPRETER=interpreting())
+    _store_kernel[(triton.cdiv(x.numel(), block),)](
+        x, out, x.numel(), BLOCK=block, INTERPRETER=interpreting(),
+        SAT_CVT=sat_cvt)
     want = quantize(x, dtype, 1.0, 0).view(torch.uint8)
     got = out.view(torch.uint8)
     assert torch.equal(got, want), x[got != want][:8]
+
+
+def test_static_scale_quotient_gives_the_ieee_quotients_codes():
+    """The kernel's static-scale quotient on a GPU (``kernel._store_scaled``: the head's
+    reciprocal and one FMA correction; the interpreter keeps ``div_rn``) stores the same e4m3
+    and e5m2 codes as torch's ``x / s`` for every bf16 and fp16 ``x`` on a few scales (the full
+    check: ``python benchmarks/fp8_division_check.py``), and the check has teeth: the quotient
+    without its FMA correction is caught."""
+    spec = importlib.util.spec_from_file_location(
+        "fp8_division_check", ROOT / "benchmarks" / "fp8_division_check.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    assert check.main(["--scales", "4"]) == 0
+    check.kernel_quotient = lambda x, s: (x.astype(check.F64) * check.F64(
+        check.F32(1.0 / check.F64(s)))).astype(check.F32)
+    assert check.main(["--scales", "40"]) == 1

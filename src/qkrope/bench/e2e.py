@@ -10,7 +10,7 @@ Each figure is wall time per step with the device synchronised, so host time cou
 Stock and patched each run in a worker process of their own, as in a user's process: nothing
 of the other variant there (compiled code, CUDA-graph trees, the allocator's pool; docs/
 design.md, "End-to-end bench"). The parent sets both up side by side (compiles, untimed), then
-times them in alternating blocks of :data:`BLOCK` steps, one process on the GPU at a time and
+times them in alternating blocks of steps (:data:`BLOCK`), one process on the GPU at a time and
 both on one core, so a drift of the machine's speed hits both alike. Beside each
 speed-up (the ratio of the median times), a 95% interval from resampling the pairs of i-th
 steps (:func:`speedup_interval`): a cell whose interval holds 1.0 is a tie within this run's
@@ -61,15 +61,18 @@ MODES = ("eager", "compile", "reduce-overhead", "generate")
 PHASES = ("decode", "prefill")
 PROMPT = 32          # tokens before the timed decode steps
 GENERATE_TOKENS = (8, 72)  # generate() lengths whose time difference gives the per-token time
-#: Timed decode steps per cell and variant, interleaved (prefills: a sixth): a cell's speed-up
+#: Timed decode steps per cell and variant, interleaved (prefills: a third): a cell's speed-up
 #: is a median ratio of ~1.00-1.05 in the CUDA-graph modes, where 20 pairs left a 95% interval
 #: of about ±2%; decode steps cost ms, the compiles dominate a cell's time.
 STEPS = 60
-#: Timed steps run in blocks of this many per variant, the variants' processes alternating: a
-#: drift of the machine's speed still hits both alike, and 9 steps in 10 follow a step of their
-#: own process (the first of a block may find caches and clocks as the other process left them;
-#: every step's time is kept in the JSON, so that shows).
+#: Timed steps run in blocks of this many per variant (prefills: PREFILL_BLOCK), the variants'
+#: processes alternating: a drift of the machine's speed still hits both alike, and 9 decode
+#: steps in 10 follow a step of their own process (the first of a block may find caches and
+#: clocks as the other process left them; every step's time is kept in the JSON, so that
+#: shows). A prefill (2-100 ms) is long beside a switch, and the GPU's speed drifts within a
+#: cell: prefill blocks are short (docs/design.md, "End-to-end bench").
 BLOCK = 10
+PREFILL_BLOCK = 2
 GENERATE_ROUNDS = 9  # per-token times per variant (median): the host's speed drifts by 10-15%
 
 
@@ -532,10 +535,12 @@ def _measure(workers: dict, cell: Cell, stream, steps, warmup, device,
             for v in variants if r % 2 == 0 else variants[::-1]:
                 times[v].append(workers[v].call("generate_round", lo, hi, core))
     else:
-        n = warmup + steps if cell.phase == "decode" else first_timed + max(3, steps // 6)
-        for start in range(first_timed, n, BLOCK):
+        decode = cell.phase == "decode"
+        n = warmup + steps if decode else first_timed + max(4, steps // 3)
+        block = BLOCK if decode else PREFILL_BLOCK
+        for start in range(first_timed, n, block):
             for v in variants:
-                times[v] += workers[v].call("block", start, min(n, start + BLOCK), core)
+                times[v] += workers[v].call("block", start, min(n, start + block), core)
     last = {v: workers[v].call("finish") for v in variants}
     cell.stock_ms, cell.patched_ms = (statistics.median(times[v]) for v in variants)
     cell.stock_times, cell.patched_times = (times[v] for v in variants)

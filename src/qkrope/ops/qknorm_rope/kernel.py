@@ -212,9 +212,23 @@ def _rotate_dims(x, x_ptr, row_off, stride_d, mask, d, w, w_ptr, stride_w, rstd,
     wp = _load_weight(w_ptr, partner, stride_w, W_OFFSET, WIDE)
     n = _normed(x, w, rstd, DT, HF_NORM, INTERPRETER)
     n_p = _normed(xp, wp, rstd, DT, HF_NORM, INTERPRETER)
-    angle = _angles(pos_ptr, pos_off, t_mask, freq, inv_freq_ptr, stride_inv_freq, stride_pos_r,
-                    MROPE, SEC_T, SEC_H, SEC_W, WIDE)
-    cos, sin = _cos_sin(angle[None, :, :], DT, COS_SIN_SCALE, INTERPRETER)
+    R2: tl.constexpr = ROT // 2
+    BT: tl.constexpr = x.shape[1]
+    N: tl.constexpr = x.shape[2]
+    # NeoX's frequency of dim d is d mod ROT/2: where the dims are a whole number of periods
+    # (the low half of a partial rotary, Qwen3.5's 64 of 256), the trig runs on the ROT/2
+    # distinct frequencies and is tiled over the dims (docs/design.md, "Partial rotary").
+    PERIODIC: tl.constexpr = (not GPTJ) and ROT <= N and N % R2 == 0 and (R2 & (R2 - 1)) == 0
+    if PERIODIC:
+        angle = _angles(pos_ptr, pos_off, t_mask, tl.arange(0, R2), inv_freq_ptr,
+                        stride_inv_freq, stride_pos_r, MROPE, SEC_T, SEC_H, SEC_W, WIDE)
+        cos, sin = _cos_sin(angle, DT, COS_SIN_SCALE, INTERPRETER)
+        cos = tl.reshape(tl.broadcast_to(cos[:, None, :], (BT, N // R2, R2)), (BT, N))[None]
+        sin = tl.reshape(tl.broadcast_to(sin[:, None, :], (BT, N // R2, R2)), (BT, N))[None]
+    else:
+        angle = _angles(pos_ptr, pos_off, t_mask, freq, inv_freq_ptr, stride_inv_freq,
+                        stride_pos_r, MROPE, SEC_T, SEC_H, SEC_W, WIDE)
+        cos, sin = _cos_sin(angle[None, :, :], DT, COS_SIN_SCALE, INTERPRETER)
     out = (_round(n * cos, DT, INTERPRETER)
            + sign[None, None, :] * _round(n_p * sin, DT, INTERPRETER))
     # Exact once rounded: the interpreter's truncating cast is safe.
@@ -301,13 +315,23 @@ def _static_scale(scale_ptr, h, H, stride_scale, SCALED: tl.constexpr, WIDE: tl.
 
 @triton.jit
 def _store_scaled(out_ptr, off, vals, mask, scale, SCALED: tl.constexpr,
-                  INTERPRETER: tl.constexpr):
+                  INTERPRETER: tl.constexpr, SAT_CVT: tl.constexpr):
     """Store rows (a cache's, or a quantised output's); FP8 gets saturate(x / scale) (vLLM's
     convention) with the tile's :func:`_static_scale`."""
     if SCALED:
-        # IEEE division (div.rn), as torch's x / scale: Triton's fp32 `/` is the approximate
-        # div.full (up to 2 ulp), which can tip an e4m3 rounding (docs/design.md, "FP8 stores").
-        _store_fp8(out_ptr, off, tl.math.div_rn(vals.to(tl.float32), scale), mask, INTERPRETER)
+        # The IEEE quotient's FP8 code, as torch's x / scale (Triton's fp32 `/` is div.full, up
+        # to 2 ulp off, which can tip a rounding): the head's reciprocal, then per element one
+        # FMA correction instead of a div_rn each (docs/design.md, "FP8 stores"). A quotient of
+        # +-0 keeps q0 (the sign), as do +-inf and NaN. The interpreter has no fused FMA.
+        x = vals.to(tl.float32)
+        if INTERPRETER:
+            q = tl.math.div_rn(x, scale)
+        else:
+            r = tl.math.div_rn(1.0, scale)
+            q0 = x * r
+            q1 = tl.fma(tl.fma(-q0, scale, x), r, q0)
+            q = tl.where(tl.abs(q1) > 0.0, q1, q0)
+        _store_fp8(out_ptr, off, q, mask, INTERPRETER, SAT_CVT)
     else:
         tl.store(out_ptr + off, vals, mask=mask)
 
@@ -348,7 +372,7 @@ def qknorm_rope_kernel(
     K_SCALED: tl.constexpr, V_SCALED: tl.constexpr, QO_SCALED: tl.constexpr,
     KO_SCALED: tl.constexpr, K_DYN: tl.constexpr, V_DYN: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_T: tl.constexpr,
-    INTERPRETER: tl.constexpr, WIDE: tl.constexpr,
+    INTERPRETER: tl.constexpr, SAT_CVT: tl.constexpr, WIDE: tl.constexpr,
 ):
     """Grid: (cdiv(T, BLOCK_T), cdiv(Hq, BLOCK_HQ) + cdiv(Hkv, BLOCK_HKV), B).
 
@@ -390,9 +414,9 @@ def qknorm_rope_kernel(
             WIDE)
         qo_row = b * stride_qo_b + hq_i * stride_qo_h + t3 * stride_qo_t
         _store_scaled(q_out_ptr, qo_row + d_lo * stride_qo_d, q_lo, q_mask, q_sc, QO_SCALED,
-                      INTERPRETER)
+                      INTERPRETER, SAT_CVT)
         _store_scaled(q_out_ptr, qo_row + d_hi * stride_qo_d, q_hi, q_mask, q_sc, QO_SCALED,
-                      INTERPRETER)
+                      INTERPRETER, SAT_CVT)
     else:
         hk = ((pid_h - n_q_blocks) * BLOCK_HKV + tl.arange(0, BLOCK_HKV))[:, None, None]
         k_mask = (hk < Hkv) & (t3 < T)
@@ -416,9 +440,9 @@ def qknorm_rope_kernel(
             WIDE)
         ko_row = b * stride_ko_b + hk_i * stride_ko_h + t3 * stride_ko_t
         _store_scaled(k_out_ptr, ko_row + d_lo * stride_ko_d, k_lo, k_mask, ko_sc, KO_SCALED,
-                      INTERPRETER)
+                      INTERPRETER, SAT_CVT)
         _store_scaled(k_out_ptr, ko_row + d_hi * stride_ko_d, k_hi, k_mask, ko_sc, KO_SCALED,
-                      INTERPRETER)
+                      INTERPRETER, SAT_CVT)
 
         row3 = row[None, :, None]
         row_mask = k_mask & (row3 >= 0) & (row3 < rows_per_batch)
@@ -431,25 +455,25 @@ def qknorm_rope_kernel(
             k32_lo, k32_hi = k_lo.to(tl.float32), k_hi.to(tl.float32)
             k_sc, k_r = _token_head_scale(k32_lo, k32_hi, k_cache_ptr)
             _store_codes(k_cache_ptr, kc_row + d_lo * stride_kc_d, k32_lo * k_r, row_mask,
-                         INTERPRETER)
+                         INTERPRETER, SAT_CVT)
             _store_codes(k_cache_ptr, kc_row + d_hi * stride_kc_d, k32_hi * k_r, row_mask,
-                         INTERPRETER)
+                         INTERPRETER, SAT_CVT)
             tl.store(k_scale_cache_ptr + _cache_row(row3, b, hk_i, block_size, stride_ksc_b,
                                                     stride_ksc_blk, stride_ksc_row,
                                                     stride_ksc_h, PAGED), k_sc, mask=row_mask)
         else:
             _store_scaled(k_cache_ptr, kc_row + d_lo * stride_kc_d, k_lo, row_mask, kc_sc,
-                          K_SCALED, INTERPRETER)
+                          K_SCALED, INTERPRETER, SAT_CVT)
             _store_scaled(k_cache_ptr, kc_row + d_hi * stride_kc_d, k_hi, row_mask, kc_sc,
-                          K_SCALED, INTERPRETER)
+                          K_SCALED, INTERPRETER, SAT_CVT)
         if V_DYN:
             v32 = v.to(tl.float32)
             v_sc, v_r = _token_head_scale(v32, v32, v_cache_ptr)
             _store_codes(v_cache_ptr, vc_row + d_full * stride_vc_d, v32 * v_r, row_mask,
-                         INTERPRETER)
+                         INTERPRETER, SAT_CVT)
             tl.store(v_scale_cache_ptr + _cache_row(row3, b, hk_i, block_size, stride_vsc_b,
                                                     stride_vsc_blk, stride_vsc_row,
                                                     stride_vsc_h, PAGED), v_sc, mask=row_mask)
         else:
             _store_scaled(v_cache_ptr, vc_row + d_full * stride_vc_d, v, row_mask, vc_sc,
-                          V_SCALED, INTERPRETER)
+                          V_SCALED, INTERPRETER, SAT_CVT)

@@ -16,7 +16,8 @@ from .._overlap import extent
 from .checks import Options
 from .kernel import qknorm_rope_kernel
 
-__all__ = ["TileConfig", "PER_CALL", "pick_config", "launch", "LAUNCHER", "wide_offsets"]
+__all__ = ["TileConfig", "PER_CALL", "pick_config", "launch", "LAUNCHER", "wide_offsets",
+           "saturating_fp8_cvt"]
 
 #: The kernel parameters that change from call to call, in the order the fast path passes them
 #: (``KernelLauncher.fast_call``): the input tensors' addresses, the outputs', then eps.
@@ -167,6 +168,7 @@ def launch(query, key, value, positions, key_cache, value_cache, slots, q_norm_w
         K_DYN=k_scale_cache is not None, V_DYN=v_scale_cache is not None,
         BLOCK_HQ=cfg.block_hq, BLOCK_HKV=cfg.block_hkv, BLOCK_T=cfg.block_t,
         INTERPRETER=interpreting(),
+        SAT_CVT=saturating_fp8_cvt(query.device),
         WIDE=wide_offsets(query, key, value, positions, key_cache, value_cache, slots,
                           q_norm_weight, k_norm_weight, inv_freq, k_scale, v_scale, q_scale,
                           k_scale_cache, v_scale_cache, query_out, key_out),
@@ -174,6 +176,19 @@ def launch(query, key, value, positions, key_cache, value_cache, slots, q_norm_w
         enable_fp_fusion=False, num_warps=cfg.num_warps)
     compiled = LAUNCHER.launch(grid, args, meta, query.device)
     return compiled, grid, args, meta
+
+
+def saturating_fp8_cvt(device: torch.device) -> bool:
+    """Whether Triton converts fp32 to FP8 on ``device`` with PTX ``cvt.rn.satfinite``
+    (compute capability 8.9 on), which saturates and stores NaN as 0x7F itself, the bytes
+    the oracle wants; the kernel then skips its own clamp and NaN select (docs/design.md, "FP8
+    stores"). Not in the interpreter, whose cast truncates."""
+    return device.type == "cuda" and not interpreting() and _capability(device) >= (8, 9)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
 
 
 def wide_offsets(*tensors) -> bool:

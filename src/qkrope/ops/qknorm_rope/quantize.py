@@ -1,7 +1,8 @@
 """Triton helpers of the kernel's quantised stores: FP8 (e4m3, e5m2) and INT8 codes, and the
 per-token-head scale of a written row (docs/design.md, "FP8 stores", "Per-token-head
-scales"). Every division is IEEE (``div_rn``) and fp fusion is off at launch, so each value
-is the one the oracle (``reference.quantize``, ``reference.quantize_token_head``) computes.
+scales"). Every quotient is the IEEE one (``div_rn``, or its code from a reciprocal and an FMA
+correction: ``kernel._store_scaled``) and fp fusion is off at launch, so each value is the one
+the oracle (``reference.quantize``, ``reference.quantize_token_head``) computes.
 """
 
 from __future__ import annotations
@@ -38,28 +39,32 @@ def _round_fp8(v, E5M2: tl.constexpr):
 
 
 @triton.jit
-def _store_fp8(out_ptr, off, v, mask, INTERPRETER: tl.constexpr):
+def _store_fp8(out_ptr, off, v, mask, INTERPRETER: tl.constexpr, SAT_CVT: tl.constexpr):
     """Store fp32 ``v`` as the FP8 dtype of ``out_ptr``: saturated to +-448 (e4m3) or
     +-57344 (e5m2: no inf is stored, as vLLM's saturating conversion), nearest even, NaN stored
-    as NaN (a clamp alone would turn an upstream NaN into in-range data)."""
+    as NaN (a clamp alone would turn an upstream NaN into in-range data). ``SAT_CVT``: the
+    GPU converts with PTX ``cvt.rn.satfinite`` (sm_89 on), which does all of that itself (NaN
+    as 0x7F); elsewhere the clamp and the NaN select are explicit."""
     FP8 = out_ptr.dtype.element_ty
     E5M2: tl.constexpr = FP8 == tl.float8e5
     if E5M2:
         clamped = tl.minimum(tl.maximum(v, -57344.0), 57344.0)
     else:
         clamped = tl.minimum(tl.maximum(v, -448.0), 448.0)
-    if INTERPRETER:
-        # The interpreter's cast turns NaN into a number: set NaN's bits (0x7F, either dtype's
-        # positive NaN) directly.
+    if SAT_CVT:  # (the clamp above is then dead code, dropped by the compiler)
+        stored = v.to(FP8)
+    elif INTERPRETER:
+        # The interpreter's cast truncates and turns NaN into a number: round on the grid and
+        # set NaN's bits (0x7F, either dtype's positive NaN) directly.
         bits = _round_fp8(clamped, E5M2).to(FP8).to(tl.uint8, bitcast=True)
         stored = tl.where(v != v, 0x7F, bits).to(tl.uint8).to(FP8, bitcast=True)
-    else:
+    else:  # a conversion that does not saturate (before sm_89: e5m2 in software)
         stored = tl.where(v != v, v, clamped).to(FP8)
     tl.store(out_ptr + off, stored, mask=mask)
 
 
 @triton.jit
-def _store_codes(out_ptr, off, y, mask, INTERPRETER: tl.constexpr):
+def _store_codes(out_ptr, off, y, mask, INTERPRETER: tl.constexpr, SAT_CVT: tl.constexpr):
     """Store fp32 ``y`` (a row already divided by its scale) as the codes of ``out_ptr``'s
     dtype: e4m3 (:func:`_store_fp8`), or int8 rounded half away from zero and saturated to
     [-128, 127] (vLLM's ``int8_per_token_head``; a NaN stored as 0: its row's scale is NaN)."""
@@ -68,7 +73,7 @@ def _store_codes(out_ptr, off, y, mask, INTERPRETER: tl.constexpr):
         z = tl.where(y != y, 0.0, z)  # before the truncating conversion, which NaN would break
         tl.store(out_ptr + off, z.to(tl.int32).to(tl.int8), mask=mask)
     else:
-        _store_fp8(out_ptr, off, y, mask, INTERPRETER)
+        _store_fp8(out_ptr, off, y, mask, INTERPRETER, SAT_CVT)
 
 
 @triton.jit
