@@ -108,6 +108,29 @@ def test_opcheck():
                            options_key(Options(rotary_dim=args[0].shape[-1]))))
 
 
+def test_a_direct_call_of_the_registered_op_is_checked_when_traced():
+    # The HF integration's compiled layers call the registered op itself (the public
+    # function's checks, traced, would be guards of every compiled step); the op's fake runs
+    # the same checks at trace time, with the eager message naming the argument.
+    args = list(make_inputs(Case(S=3, seed=6)))
+    outs = (torch.empty_like(args[0]), torch.empty_like(args[1]))
+    key = options_key(Options(rotary_dim=args[0].shape[-1]))
+    direct = torch.compile(lambda *a: torch.ops.qkrope.qknorm_rope(*a), fullgraph=True)
+    for i, bad, words in ((5, args[5].to(torch.float16), "value_cache must be"),
+                          (7, args[7][:-1], r"q_norm_weight must have shape"),
+                          (6, args[6][:2], r"cache_position must have shape")):
+        torch._dynamo.reset()
+        kc = args[4].clone()
+        call = (*args[:i], bad, *args[i + 1:10])
+        with pytest.raises(Exception, match=words):
+            direct(*call, *NO_SCALES, *outs, args[10], key)
+        assert torch.equal(args[4], kc), "a refused call wrote the cache"
+    torch._dynamo.reset()
+    want = _eager_call(op, args)
+    direct(*args[:10], *NO_SCALES, *outs, args[10], key)  # a valid call: the eager bits
+    assert all(torch.equal(a, b) for a, b in zip((*outs, args[4], args[5]), want))
+
+
 def test_eager_path_does_not_use_the_dispatcher(monkeypatch):
     # Eager calls must not pay for the custom op: make the dispatcher's entry fail.
     class Refuse:

@@ -269,12 +269,14 @@ def _trivial_op() -> Callable:
     return _TRIVIAL[0]
 
 
-def op_host_times(calls: int = 1000) -> dict:
+def op_host_times(calls: int = 1000, rounds: int = 5) -> dict:
     """Host µs per call (the best of 5 batches of ``calls / 5`` back-to-back calls) of the op
     through its eager fast path, and of one call of the op inside a compiled graph beside one
     of a trivial registered op (``_trivial_op``) there: a graph's own entry cost is shared by
-    every op in it, so an op's cost there is the slope between a graph of 1 and of 5 calls.
-    Decode #1 shapes, outputs given; ``x.add_(1)`` eager for scale."""
+    every op in it, so an op's cost there is the slope between a graph of 1 and of 5 calls,
+    the median of ``rounds`` rounds that time the four graphs in turn (a slope is a difference
+    of two timings: one round's can be off by half). Decode #1 shapes, outputs given;
+    ``x.add_(1)`` eager for scale."""
     from .. import run
     from ..suite import SUITE, make_inputs
 
@@ -307,10 +309,17 @@ def op_host_times(calls: int = 1000) -> dict:
 
     with torch.no_grad():
         out = {"eager fast path": per_call(op), "x.add_(1) eager": per_call(lambda: x.add_(1))}
-        for name, fn in (("compiled graph", op), ("trivial op, compiled graph",
-                                                   lambda: trivial(x))):
-            one, five = per_call(repeated(fn, 1)), per_call(repeated(fn, 5))
-            out[f"{name}, 1 call"] = one
-            out[f"{name}, per call"] = (five - one) / 4
+        graphs = {(name, k): repeated(fn, k)
+                  for name, fn in (("compiled graph", op),
+                                   ("trivial op, compiled graph", lambda: trivial(x)))
+                  for k in (1, 5)}
+        times = {g: [] for g in graphs}
+        for _ in range(rounds):  # in turn: a drift of the host's speed hits all four alike
+            for g, fn in graphs.items():
+                times[g].append(per_call(fn))
+        for name in ("compiled graph", "trivial op, compiled graph"):
+            one, five = times[(name, 1)], times[(name, 5)]
+            out[f"{name}, 1 call"] = statistics.median(one)
+            out[f"{name}, per call"] = statistics.median((f - o) / 4 for o, f in zip(one, five))
     torch._dynamo.reset()
     return out

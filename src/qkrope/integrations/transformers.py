@@ -65,7 +65,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .._interpret import interpreting
 from ..ops.qknorm_rope import fused_rope_with_qk_norm_and_kv_cache_update
-from ..ops.qknorm_rope.checks import ACTIVATION_DTYPES, HEAD_DIMS, PLAIN_TENSORS
+from ..ops.qknorm_rope.checks import ACTIVATION_DTYPES, HEAD_DIMS, PLAIN_TENSORS, Options
+from ..ops.qknorm_rope.registration import op_options, qknorm_rope
 
 __all__ = ["patch", "unpatch", "is_patched", "patch_qwen3", "unpatch_qwen3", "FallbackWarning",
            "SUPPORTED_ATTENTION"]
@@ -118,6 +119,11 @@ class _Static(NamedTuple):
     norm_weight_offset: float
     mrope_section: tuple | None  # (T, H, W) frequency counts, interleaved
     eps: float
+    # The rotary's at patch time, and the registered op's options string for them: what a
+    # compiled call passes the op directly (``_op``) while the rotary still has them.
+    rotary_dim: int
+    cos_sin_scale: float
+    op_options: str
     cache_kwarg: str             # "cache" (5.24) or "past_key_values" (earlier 5.x)
     # The last patched layer of its rotary embedding: it empties the rotary's state (what the
     # rotary left for the layers of this forward). Under torch.compile a tensor the graph made
@@ -210,10 +216,16 @@ def _layer_options(m, family: _Family, rotary) -> tuple[str | None, dict]:
     if Hq * D != q_out or Hkv * D != m.k_proj.out_features or Hkv < 1 or Hq % Hkv:
         return f"projection widths {m.q_proj.out_features}/{m.k_proj.out_features} do not " \
                f"give whole head groups of head_dim {D}", {}
-    return None, dict(gated=family.gated,
-                      norm_rounding="weight_fp32" if family.offset_norm else "hf",
-                      norm_weight_offset=1.0 if family.offset_norm else 0.0,
-                      mrope_section=section, eps=eps)
+    rounding = "weight_fp32" if family.offset_norm else "hf"
+    offset = 1.0 if family.offset_norm else 0.0
+    try:
+        key = op_options(Options("bhsd", "neox", 2 * half, offset, rounding, float(scale),
+                                 section, section is not None), D)
+    except (TypeError, ValueError) as err:
+        return f"the op refuses its options: {err}", {}
+    return None, dict(gated=family.gated, norm_rounding=rounding, norm_weight_offset=offset,
+                      mrope_section=section, eps=eps, rotary_dim=2 * half,
+                      cos_sin_scale=float(scale), op_options=key)
 
 
 def _text_rotaries(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
@@ -519,12 +531,10 @@ def _prologue(self, static: _Static, state: dict, query, key, value, cache):
         seq_len = key.shape[2]
         _check_room(layer, seq_len)
         rows = torch.arange(seq_len, device=key.device) + layer.cumulative_length
-        q_rot, k_rot, keys, values = fused_rope_with_qk_norm_and_kv_cache_update(
-            query, key, value, positions, layer.keys, layer.values, rows,
-            _local(self.q_norm.weight), _local(self.k_norm.weight), inv_freq, static.eps,
-            **options)
+        q_rot, k_rot = _op(self, static, query, key, value, positions, layer.keys,
+                           layer.values, rows, inv_freq, options)
         layer.cumulative_length.add_(seq_len)
-        return q_rot, k_rot, keys, values
+        return q_rot, k_rot, layer.keys, layer.values
 
     # No cache of the op's layout: one-row stand-in caches whose row every token skips (-1).
     # (Separate allocations: the op refuses caches that share memory, expanded views too.)
@@ -532,10 +542,30 @@ def _prologue(self, static: _Static, state: dict, query, key, value, cache):
     k_stand_in = key.new_empty((B, Hkv, 1, D))
     v_stand_in = key.new_empty((B, Hkv, 1, D))
     rows = torch.full((S,), -1, dtype=torch.int64, device=key.device)
-    q_rot, k_rot, _, _ = fused_rope_with_qk_norm_and_kv_cache_update(
-        query, key, value, positions, k_stand_in, v_stand_in, rows, _local(self.q_norm.weight),
-        _local(self.k_norm.weight), inv_freq, static.eps, **options)
+    q_rot, k_rot = _op(self, static, query, key, value, positions, k_stand_in, v_stand_in,
+                       rows, inv_freq, options)
     return q_rot, k_rot, None, None
+
+
+def _op(self, static: _Static, query, key, value, positions, key_cache, value_cache, rows,
+        inv_freq, options: dict):
+    """The op on a layer's tensors (outputs given in ``options``): ``(q_rot, k_rot)``. Eager:
+    the public function (its checks, or the native fast path of a known signature). Under
+    torch.compile the registered op itself, whose fake runs the same checks at trace time: the
+    public function's checks, traced, would be guards of the compiled step, evaluated before
+    every call, CUDA-graph replays included (docs/design.md, "Compile route"). A call the
+    checks refuse is then a compile error, not a stock forward."""
+    q_weight, k_weight = _local(self.q_norm.weight), _local(self.k_norm.weight)
+    if not torch.compiler.is_compiling() or options["rotary_dim"] != static.rotary_dim or \
+            options["cos_sin_scale"] != static.cos_sin_scale:
+        return fused_rope_with_qk_norm_and_kv_cache_update(
+            query, key, value, positions, key_cache, value_cache, rows, q_weight, k_weight,
+            inv_freq, static.eps, **options)[:2]
+    q_out, k_out = options["query_out"], options["key_out"]
+    qknorm_rope(query, key, value, positions, key_cache, value_cache, rows, q_weight, k_weight,
+                inv_freq, None, None, None, None, None, q_out, k_out, static.eps,
+                static.op_options)
+    return q_out, k_out
 
 
 #: The one cache layer class the op writes: exactly StaticLayer, not its subclasses (sliding

@@ -34,9 +34,12 @@ _LIBRARY = torch.library.Library("qkrope", "FRAGMENT")
 
 
 def custom_op(name: str, body: Callable, mutates_args: tuple[str, ...],
-              launcher=None) -> Callable:
+              launcher=None, fake: Callable | None = None) -> Callable:
     """Register ``body`` (a fully annotated function returning None) as
-    ``torch.ops.qkrope.<name>`` with a fake that does nothing; return a function with
+    ``torch.ops.qkrope.<name>`` with ``fake`` (``body``'s arguments, returns None; runs once
+    per call site when torch.compile traces it, on fake tensors: the place for checks of
+    shapes, dtypes and devices, which then cost the compiled graph nothing) or a fake that
+    does nothing; return a function with
     ``body``'s arguments that runs ``body`` directly when eager and the registered op while
     compiling. ``mutates_args``: the arguments ``body`` writes. ``launcher``: the
     ``KernelLauncher`` whose plans ``body`` remembers (under the options string, its last
@@ -47,7 +50,8 @@ def custom_op(name: str, body: Callable, mutates_args: tuple[str, ...],
     for op in (name, name + "_checked") if launcher is not None else (name,):
         _LIBRARY.define(op + schema)
         _LIBRARY.impl(op, body, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"qkrope::{name}", lambda *args, **kwargs: None, lib=_LIBRARY)
+    torch.library.register_fake(f"qkrope::{name}", fake or (lambda *args, **kwargs: None),
+                                lib=_LIBRARY)
     if launcher is not None:
         launcher.serve(f"qkrope::{name}", f"qkrope::{name}_checked")
     dispatched = getattr(torch.ops.qkrope, name).default

@@ -22,7 +22,7 @@ import torch
 
 from .checks import (
     ACTIVATION_DTYPES, FP32_MAX, FP32_TINY, Options, check_bhsd, check_out, check_paged,
-    head_count, refuse_autograd, scalar_on, scale_cache, scale_tensor, tensor_arg,
+    check_scales, head_count, refuse_autograd, scalar_on, tensor_arg,
 )
 from .launcher import LAUNCHER
 from .registration import options_key, qknorm_rope
@@ -248,20 +248,9 @@ def _checked_call(checked: Options, tensors: tuple, scales: tuple, scale_caches:
     q_scale)``, ``scale_caches`` its ``(k_scale_cache, v_scale_cache)``; ``checked``: the
     canonical options."""
     query, key, key_cache, value_cache = tensors[0], tensors[1], tensors[4], tensors[5]
-    Hq, Hkv = query.shape[1], key.shape[1]
     query_out, key_out = _outputs(query, key, query_out, key_out)
-    k_cache_scales = scale_cache("k_scale_cache", scale_caches[0], "key_cache", key_cache)
-    v_cache_scales = scale_cache("v_scale_cache", scale_caches[1], "value_cache", value_cache)
-    k_scale, v_scale, q_scale = scales
-    # A cache with per-token-head scales takes no static scale (k_scale may still serve an
-    # FP8 key_out).
-    scales = (scale_tensor("k_scale", k_scale,
-                           {"key_cache": None if k_cache_scales is not None else key_cache,
-                            "key_out": key_out}, Hkv, "Hkv"),
-              scale_tensor("v_scale", v_scale,
-                           {"value_cache": None if v_cache_scales is not None else value_cache},
-                           Hkv, "Hkv"),
-              scale_tensor("q_scale", q_scale, {"query_out": query_out}, Hq, "Hq"))
+    scales, (k_cache_scales, v_cache_scales) = check_scales(
+        query, key, key_cache, value_cache, query_out, key_out, scales, scale_caches)
     if validate:
         rows, scales = _validate(tensors[6], rows_bound, rows_name, scales)
         tensors = (*tensors[:6], rows, *tensors[7:])

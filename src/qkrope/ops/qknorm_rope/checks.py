@@ -154,7 +154,7 @@ def _type_name(x) -> str:
     return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
 
 
-def _check_options(opts: Options, D: int) -> Options:
+def check_options(opts: Options, D: int) -> Options:
     """Validated options with ``rotary_dim`` and ``mrope_section`` in canonical form."""
     if opts.rotary_style not in ROTARY_STYLES:
         raise ValueError(f"rotary_style must be one of {ROTARY_STYLES}, got {opts.rotary_style!r}")
@@ -258,6 +258,26 @@ def scale_cache(name: str, cache_scales, cache_name: str, cache: torch.Tensor):
     return cache_scales
 
 
+def check_scales(query, key, key_cache, value_cache, query_out, key_out, scales: tuple,
+                 scale_caches: tuple) -> tuple[tuple, tuple]:
+    """The FP8 scales of a call: the caller's ``(k_scale, v_scale, q_scale)`` as
+    :func:`scale_tensor` gives them and its ``(k_scale_cache, v_scale_cache)`` checked, for
+    outputs and caches already checked. A cache with per-token-head scales takes no static
+    scale (``k_scale`` may still serve an FP8 ``key_out``)."""
+    Hq, Hkv = query.shape[1], key.shape[1]
+    k_cache_scales = scale_cache("k_scale_cache", scale_caches[0], "key_cache", key_cache)
+    v_cache_scales = scale_cache("v_scale_cache", scale_caches[1], "value_cache", value_cache)
+    k_scale, v_scale, q_scale = scales
+    return (scale_tensor("k_scale", k_scale,
+                         {"key_cache": None if k_cache_scales is not None else key_cache,
+                          "key_out": key_out}, Hkv, "Hkv"),
+            scale_tensor("v_scale", v_scale,
+                         {"value_cache": None if v_cache_scales is not None else value_cache},
+                         Hkv, "Hkv"),
+            scale_tensor("q_scale", q_scale, {"query_out": query_out}, Hq, "Hq")), \
+        (k_cache_scales, v_cache_scales)
+
+
 @functools.lru_cache(maxsize=64)
 def scalar_on(value: float, device: torch.device) -> torch.Tensor:
     return torch.full((1,), value, dtype=torch.float32, device=device)
@@ -285,7 +305,7 @@ def _check_common(query, key, value, key_cache, value_cache, q_norm_weight, k_no
     if value_cache.dtype != key_cache.dtype:
         raise TypeError(f"value_cache must be {dtype_name(key_cache.dtype)} like key_cache, got "
                         f"{dtype_name(value_cache.dtype)}")
-    opts = _check_options(opts, D)
+    opts = check_options(opts, D)
     _shape("q_norm_weight", q_norm_weight, (D,), "[D]")
     _shape("k_norm_weight", k_norm_weight, (D,), "[D]")
     _shape("inv_freq", inv_freq, (opts.rotary_dim // 2,), "[rotary_dim/2]")

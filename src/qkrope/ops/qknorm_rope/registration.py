@@ -17,10 +17,12 @@ import functools
 import torch
 
 from .._custom_op import custom_op
-from .checks import Options, check_overlap
+from .checks import (
+    Options, check_bhsd, check_options, check_out, check_overlap, check_paged, check_scales,
+)
 from .launcher import LAUNCHER, launch
 
-__all__ = ["qknorm_rope", "options_key"]
+__all__ = ["qknorm_rope", "options_key", "op_options"]
 
 
 def _qknorm_rope(
@@ -63,6 +65,31 @@ def _qknorm_rope(
                                           if t is not None))
 
 
+def _traced_checks(query, key, value, positions, key_cache, value_cache, slots, q_norm_weight,
+                   k_norm_weight, inv_freq, k_scale, v_scale, q_scale, k_scale_cache,
+                   v_scale_cache, query_out, key_out, rms_norm_eps, options) -> None:
+    """The op's fake: the public function's checks of shapes, dtypes and devices (those of the
+    entry point ``options`` names), run when torch.compile traces a call, on fake tensors. A
+    call through a public function was checked already; a caller that compiles a direct call
+    of the op (the HF integration's layers: docs/design.md, "Compile route") is checked here,
+    where the checks add no guard to the compiled code. What needs memory or values (overlap,
+    rows, scale values) is judged when the call runs, as in every call."""
+    opts = _options(options)
+    check = check_bhsd if opts.layout == "bhsd" else check_paged
+    check(query, key, value, positions, key_cache, value_cache, slots, q_norm_weight,
+          k_norm_weight, inv_freq, rms_norm_eps, opts)
+    check_out("query_out", query_out, query)
+    check_out("key_out", key_out, key)
+    check_scales(query, key, key_cache, value_cache, query_out, key_out,
+                 (k_scale, v_scale, q_scale), (k_scale_cache, v_scale_cache))
+
+
+def op_options(opts: Options, head_dim: int) -> str:
+    """The op's ``options`` argument for the public options ``opts`` (checked, canonical: the
+    string a public function passes for them)."""
+    return options_key(check_options(opts, head_dim))
+
+
 def options_key(opts: Options) -> str:
     """Canonical options as the registered op's one ``options`` argument: every call through
     the dispatcher boxes each argument, so the eight static options travel as one string
@@ -78,4 +105,4 @@ def _options(key: str) -> Options:
 qknorm_rope = custom_op("qknorm_rope", _qknorm_rope,
                         mutates_args=("key_cache", "value_cache", "k_scale_cache",
                                       "v_scale_cache", "query_out", "key_out"),
-                        launcher=LAUNCHER)
+                        launcher=LAUNCHER, fake=_traced_checks)
