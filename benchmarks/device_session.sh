@@ -11,6 +11,9 @@
 #   bash benchmarks/device_session.sh sweep      # --sweep vs torch.compile, 96/8 and 32/8 heads
 #   bash benchmarks/device_session.sh presets    # sweeps: qwen3-32b, qwen3-vl-8b, qwen3.5-27b
 #   bash benchmarks/device_session.sh e2e [PRESET] # qkrope bench --e2e: the model, stock vs patched
+#   bash benchmarks/device_session.sh tests-e2e [PRESET] # the GPU tests (xdist), then e2e, in
+#                                                  # one call (~9 min): after a change of the
+#                                                  # op or the integration
 #   bash benchmarks/device_session.sh quant      # qkrope only, bf16 vs each quantised mode, both layouts (~3 min)
 #   bash benchmarks/device_session.sh tiles      # tile sweep on the mid-size workloads
 #   bash benchmarks/device_session.sh small-tiles # one head per program vs tiles, 1-64 tokens, 5 models
@@ -56,6 +59,11 @@ case "${1:-tests}" in
          done ;;
   e2e)   python3 -m qkrope bench --e2e ${2:+--model $2} --json "$OUT/e2e.json" \
            --plot "$OUT/e2e.png" 2>&1 | tee "$OUT/e2e.md" ;;
+  tests-e2e)
+    timeout 240 python3 -m pytest tests/ -q -p no:cacheprovider -n 12 > "$OUT/pytest.log" 2>&1
+    echo "pytest rc=$?"; grep -E "^FAILED|^ERROR" "$OUT/pytest.log" | head; tail -1 "$OUT/pytest.log"
+    python3 -m qkrope bench --e2e ${2:+--model $2} --json "$OUT/e2e.json" \
+      --plot "$OUT/e2e.png" 2>&1 | tee "$OUT/e2e.md" | tail -30 ;;
   quant) # the quantised modes against bf16 outputs, one run each (~3 min in all)
     for layout in bhsd paged; do
       for mode in bf16 fp8 fp8-pth-q8 int8-pth; do
