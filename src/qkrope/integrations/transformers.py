@@ -119,17 +119,18 @@ class _Static(NamedTuple):
     norm_weight_offset: float
     mrope_section: tuple | None  # (T, H, W) frequency counts, interleaved
     eps: float
-    # The rotary's at patch time, and the registered op's options string for them: what a
-    # compiled call passes the op directly (``_op``) while the rotary still has them.
-    rotary_dim: int
-    cos_sin_scale: float
-    op_options: str
     cache_kwarg: str             # "cache" (5.24) or "past_key_values" (earlier 5.x)
     # The last patched layer of its rotary embedding: it empties the rotary's state (what the
     # rotary left for the layers of this forward). Under torch.compile a tensor the graph made
     # and left there would be returned by the graph and rebuilt on every CUDA-graph replay;
     # in eager it would outlive the forward (docs/design.md, "Compile route").
     clears_state: bool = False
+    # The rotary's at patch time, and the registered op's options string for them: what a
+    # compiled call passes the op directly (``_op``) while the rotary still has them (a layer
+    # pickled by an older qkrope has none: its compiled calls take the public function).
+    rotary_dim: int = 0
+    cos_sin_scale: float = 0.0
+    op_options: str = ""
 
 
 #: Every patched layer's constants, by its key (``_qkrope_key``). Under torch.compile a layer's
