@@ -82,7 +82,8 @@ def fake(monkeypatch):
     runs = []
 
     class Module:
-        signature, outputs, params = module.signature, module.outputs, module.params
+        signature, outputs, params, bump = (module.signature, module.outputs, module.params,
+                                            module.bump)
 
         @staticmethod
         def make_launch(*args):
@@ -108,7 +109,8 @@ def fake(monkeypatch):
     jit = FakeJit()
     jit.module = Module
     for name, value in (("signature_fn", lambda: Module.signature),
-                        ("outputs_fn", lambda: Module.outputs), ("module", lambda: Module),
+                        ("outputs_fn", lambda: Module.outputs),
+                        ("bump_fn", lambda: Module.bump), ("module", lambda: Module),
                         ("start_build", lambda force=False: None)):
         monkeypatch.setattr(_native, name, value)
     monkeypatch.setattr(_launch, "interpreting", lambda: False)
@@ -351,3 +353,19 @@ def test_pick_config_one_head_per_program_only_for_a_few_tokens(h200_sms, B, T, 
 def test_pick_config_keeps_big_tiles_when_even_a_few_tokens_fill_the_chip(h200_sms):
     # 4 tokens of 2048 query heads: 4 * (128 + 1) programs of 16 heads already exceed 132 SMs.
     assert tuple(launcher.pick_config(1, 4, 2048, 8, 128, False)) == (16, 8, 1, 2)
+
+
+@pytest.mark.parametrize("name", ["bhsd", "paged-fp8"])
+def test_fast_path_bumps_what_it_writes(fake, name):
+    # The native bump(): the caches (and a scale cache where given) and every output, as the
+    # checked path's increment_version; never a tensor that is only read.
+    jit, runs = fake
+    op, args, kwargs = CALLS[name]()
+    op(*args, **kwargs)
+    written = [args[4], args[5], kwargs["query_out"], kwargs["key_out"]]
+    read = [args[0], args[1], args[2], args[3]]
+    before = [t._version for t in written + read]
+    op(*args, **kwargs)
+    assert len(runs) == 1, "second call not through the plan"
+    after = [t._version for t in written + read]
+    assert [a - b for a, b in zip(after, before)] == [1] * len(written) + [0] * len(read)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import operator
 import threading
 import warnings
 from collections.abc import Sequence
@@ -163,7 +164,12 @@ class KernelLauncher:
         self.rules = bytes([len(written), *map(index, written), len(in_place),
                             *(index(n) for pair in in_place for n in pair)])
         self._likes = tuple(index(like) for _, like in outputs)
+        # The inputs shaped like the outputs, in one C call (itemgetter returns a bare item for
+        # one index).
+        self._like_of = (operator.itemgetter(*self._likes) if len(self._likes) > 1 else
+                         lambda seq, i=self._likes: tuple(seq[j] for j in i))
         self._written_inputs = tuple(index(n) for n in written if index(n) < n_in)
+        self._written_bytes = bytes(self._written_inputs)  # for the native bump()
         self._n_pointers = n_in + len(outputs)
         self.plans: dict = {}
         self.op: str | None = None          # the registered op served natively (serve)
@@ -224,17 +230,20 @@ class KernelLauncher:
             plan = self.plans.get((options, packed[0]))
         except TypeError:  # an unhashable option: the checked path reports it
             return None
-        if plan is None or not all(
-                type(x) is float and (x == 0.0 or _FP32_TINY <= x <= _FP32_MAX) for x in scalars):
+        if plan is None:
             return None
+        for x in scalars:  # a loop, not all(<genexpr>) (docs/design.md, "Native launch route")
+            if type(x) is not float or not (x == 0.0 or _FP32_TINY <= x <= _FP32_MAX):
+                return None
         addresses, n = packed[1], len(outs)
-        made = _native.outputs_fn()(*(inputs[i] for i in self._likes), *outs)
+        made = _native.outputs_fn()(*self._like_of(inputs), *outs)
         outs, addresses[-n:] = made[:n], made[n:]
         plan.launch((*addresses, *scalars))
         # As torch's own in-place ops do: a tensor saved for backward and overwritten here
-        # makes that backward raise instead of using stale values.
-        torch._C._increment_version((*(inputs[i] for i in self._written_inputs
-                                       if inputs[i] is not None), *outs))
+        # makes that backward raise instead of using stale values; natively, as a Python tuple
+        # for torch._C._increment_version costs more than the rest of the call's Python
+        # (docs/design.md, "Native launch route").
+        _native.bump_fn()(self._written_bytes, inputs, outs)
         return outs
 
     def remember(self, options, inputs: Sequence, outs: Sequence, launched: tuple,

@@ -69,11 +69,11 @@ _SOURCES = tuple(Path(__file__).with_name("csrc") / f
                  for f in ("fast_path.cpp", "launch_plan.cpp", "op_route.cpp"))
 _CFLAGS = ("-O2",)
 _LDFLAGS = ("-ldl",)
-_FUNCTIONS = ("signature", "outputs", "make_launch", "launch", "serve_op", "add_plan")
+_FUNCTIONS = ("signature", "outputs", "bump", "make_launch", "launch", "serve_op", "add_plan")
 
 
 def _fresh_state() -> dict:
-    return {"module": None, "signature": None, "outputs": None,
+    return {"module": None, "signature": None, "outputs": None, "bump": None,
             # Read once: these are on the hot path (an environment lookup costs ~0.3 µs).
             "enabled": os.environ.get("QKROPE_NATIVE", "1").strip().lower()
             not in ("0", "false", "no", "off"),
@@ -101,6 +101,11 @@ def outputs_fn():
     """The native ``outputs(like_1..like_n, given_1..given_n) -> (out_1..out_n, address_1..
     address_n)`` once loaded and enabled, else None (never blocks)."""
     return _state["outputs"] if _state["enabled"] else None
+
+
+def bump_fn():
+    """The native ``bump(written, inputs, outputs)`` once loaded and enabled, else None."""
+    return _state["bump"] if _state["enabled"] else None
 
 
 def module():
@@ -313,6 +318,7 @@ def _load_cached() -> str | None:
     # The module before the functions: a plan made from a native key can launch natively.
     _state["module"] = mod
     _state["outputs"] = mod.outputs
+    _state["bump"] = mod.bump
     _state["signature"] = mod.signature
     return None
 

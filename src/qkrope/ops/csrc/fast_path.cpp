@@ -285,3 +285,38 @@ static PyObject* qk_outputs(PyObject*, PyObject* const* args, Py_ssize_t nargs) 
 }
 
 
+
+// bump(written, inputs, outputs): the version bump of a fast call, as torch's in-place ops do
+// it (a tensor saved for backward and overwritten makes that backward raise): inputs[i] for
+// each index i in bytes ``written`` (None skipped), then every output (tuples or lists). One
+// C++ call instead of a Python tuple built for torch._C._increment_version (docs/design.md,
+// "Native launch route").
+static PyObject* qk_bump(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (nargs != 3 || !PyBytes_Check(args[0])) {
+    PyErr_SetString(PyExc_TypeError, "bump(written: bytes, inputs, outputs)");
+    return nullptr;
+  }
+  THPObjectPtr inputs(PySequence_Fast(args[1], "bump: inputs must be a tuple or list"));
+  THPObjectPtr outputs(PySequence_Fast(args[2], "bump: outputs must be a tuple or list"));
+  if (!inputs || !outputs) return nullptr;
+  auto one = [](PyObject* obj) -> bool {
+    if (obj == Py_None) return true;
+    if (!THPVariable_Check(obj)) {
+      PyErr_SetString(PyExc_TypeError, "bump: tensors or None");
+      return false;
+    }
+    torch::autograd::impl::bump_version(THPVariable_Unpack(obj));
+    return true;
+  };
+  const char* w = PyBytes_AS_STRING(args[0]);
+  const Py_ssize_t n_in = PySequence_Fast_GET_SIZE(inputs.get());
+  for (Py_ssize_t k = 0; k < PyBytes_GET_SIZE(args[0]); ++k) {
+    const Py_ssize_t i = static_cast<unsigned char>(w[k]);
+    if (i < n_in && !one(PySequence_Fast_GET_ITEM(inputs.get(), i))) return nullptr;
+  }
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(outputs.get()); ++i)
+    if (!one(PySequence_Fast_GET_ITEM(outputs.get(), i))) return nullptr;
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
