@@ -369,3 +369,18 @@ def test_fast_path_bumps_what_it_writes(fake, name):
     assert len(runs) == 1, "second call not through the plan"
     after = [t._version for t in written + read]
     assert [a - b for a, b in zip(after, before)] == [1] * len(written) + [0] * len(read)
+
+
+def test_fast_path_takes_inference_caches_outside_inference_mode(fake):
+    # Caches made under torch.inference_mode() have no version counter: the fast path skips
+    # them as the checked path (torch._C._increment_version) does, instead of raising after
+    # its launch.
+    jit, runs = fake
+    op, args, kwargs = CALLS["bhsd"]()
+    with torch.inference_mode():
+        caches = args[4].clone(), args[5].clone()
+    args = (*args[:4], *caches, *args[6:])
+    op(*args, **kwargs)
+    op(*args, **kwargs)
+    assert len(runs) == 1, "second call not through the plan"
+

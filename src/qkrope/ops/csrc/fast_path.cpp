@@ -288,9 +288,9 @@ static PyObject* qk_outputs(PyObject*, PyObject* const* args, Py_ssize_t nargs) 
 
 // bump(written, inputs, outputs): the version bump of a fast call, as torch's in-place ops do
 // it (a tensor saved for backward and overwritten makes that backward raise): inputs[i] for
-// each index i in bytes ``written`` (None skipped), then every output (tuples or lists). One
-// C++ call instead of a Python tuple built for torch._C._increment_version (docs/design.md,
-// "Native launch route").
+// each index i in bytes ``written`` (None and inference tensors skipped), then every output
+// (tuples or lists). One C++ call instead of a Python tuple built for
+// torch._C._increment_version (docs/design.md, "Native launch route").
 static PyObject* qk_bump(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   if (nargs != 3 || !PyBytes_Check(args[0])) {
@@ -306,7 +306,10 @@ static PyObject* qk_bump(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       PyErr_SetString(PyExc_TypeError, "bump: tensors or None");
       return false;
     }
-    torch::autograd::impl::bump_version(THPVariable_Unpack(obj));
+    // Inference tensors have no version counter: skipped, as torch._C._increment_version
+    // does (bumping one outside inference mode would raise after the launch).
+    const at::Tensor& t = THPVariable_Unpack(obj);
+    if (!t.is_inference()) torch::autograd::impl::bump_version(t);
     return true;
   };
   const char* w = PyBytes_AS_STRING(args[0]);
