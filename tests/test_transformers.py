@@ -610,6 +610,14 @@ def _decode_step_guards(layers: int, patched: bool) -> int:
     return checked.num_guards_executed
 
 
+#: Guards a patched model may check beyond the stock model's, once per model (not per layer):
+#: the fields of its two patch-time `_Static`s (12 each) and the functions and constants of the
+#: integration's module that its layers read (C++ ID/EQUALS matches, ~40-50 ns each on the GPU
+#: hosts: under 2.5 µs per step). Measured, 4 layers: transformers 5.25 -6, 5.17 +35 (CPU) and
+#: +38 (H100, torch 2.11), where 5.17's stock layer reads fewer of its own module's functions.
+ONCE_PER_MODEL_GUARDS = 48
+
+
 def test_a_patched_layer_adds_no_guards_to_the_compiled_step():
     # Every guard of a compiled step is evaluated on every call, CUDA-graph replays included
     # (reduce-overhead, generate()): host time the patched model must not add per layer
@@ -621,10 +629,10 @@ def test_a_patched_layer_adds_no_guards_to_the_compiled_step():
               for patched in (False, True)}
     per_layer = {patched: (guards[4, patched] - guards[2, patched]) / 2
                  for patched in (False, True)}
-    assert per_layer[True] <= per_layer[False], per_layer
+    assert per_layer[True] <= per_layer[False], (per_layer, guards)
     # And in all: the op is called directly under compile, its checks in its fake (traced,
     # the public function's checks were ~80 guards more than stock's at 4 layers).
-    assert guards[4, True] <= guards[4, False], guards
+    assert guards[4, True] <= guards[4, False] + ONCE_PER_MODEL_GUARDS, guards
 
 
 def first_steps_logits(model, inputs, compiled: bool) -> tuple:
