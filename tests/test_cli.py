@@ -558,3 +558,10 @@ def test_e2e_speedup_interval_brackets_the_ratio_and_widens_with_noise():
     assert hi2 - lo2 > hi - lo
     assert speedup_interval(stock, stock) == (1.0, 1.0)
     assert speedup_interval([1.0, 2.0], [1.0, 2.0]) is None  # too few pairs to resample
+    # A burst of host load slows a whole block of one variant (here 1 of patched's 4 blocks of
+    # 10): resampled by blocks, the interval shows that the steps were not independent.
+    burst = [p * (1.5 if 10 <= i < 20 else 1.0) for i, p in enumerate(patched)]
+    lo3, hi3 = speedup_interval(stock, burst)
+    lo4, hi4 = speedup_interval(stock, burst, block=10)
+    assert lo4 < lo3 and hi4 - lo4 > 2 * (hi3 - lo3)
+    assert speedup_interval(stock, burst, block=20) is None  # 2 blocks: too few to resample

@@ -233,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--layers", type=_positive_int, default=4, metavar="N",
                    help="decoder layers of the model (default 4; 2 without a GPU)")
     e.add_argument("--steps", type=_positive_int, default=STEPS, metavar="N",
-                   help="timed decode steps (prefills: N // 6, at least 3) after 5 warm-up "
+                   help="timed decode steps (prefills: N // 3, from 4 to 20) after 5 warm-up "
                         f"steps (default {STEPS}; 3 after 2 without a GPU)")
     e.add_argument("--prefill-len", type=_positive_int, default=512, metavar="S",
                    help="prefill tokens per sequence (default 512; 24 without a GPU)")

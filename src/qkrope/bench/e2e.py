@@ -61,10 +61,11 @@ MODES = ("eager", "compile", "reduce-overhead", "generate")
 PHASES = ("decode", "prefill")
 PROMPT = 32          # tokens before the timed decode steps
 GENERATE_TOKENS = (8, 72)  # generate() lengths whose time difference gives the per-token time
-#: Timed decode steps per cell and variant, interleaved (prefills: a third): a cell's speed-up
-#: is a median ratio of ~1.00-1.05 in the CUDA-graph modes, where 20 pairs left a 95% interval
-#: of about ±2%; decode steps cost ms, the compiles dominate a cell's time.
-STEPS = 60
+#: Timed decode steps per cell and variant (prefills: :func:`prefill_steps`): a cell's speed-up
+#: is a median ratio of ~1.00-1.03 in the CUDA-graph modes, where 6 pairs of blocks left a 95%
+#: interval of about ±2-3% on a noisy host; decode steps cost 1-9 ms, the compiles dominate a
+#: cell's time (150 steps add under a second per cell to 60's).
+STEPS = 150
 #: Timed steps run in blocks of this many per variant (prefills: PREFILL_BLOCK), the variants'
 #: processes alternating: a drift of the machine's speed still hits both alike, and 9 decode
 #: steps in 10 follow a step of their own process (the first of a block may find caches and
@@ -73,7 +74,9 @@ STEPS = 60
 #: cell: prefill blocks are short (docs/design.md, "End-to-end bench").
 BLOCK = 10
 PREFILL_BLOCK = 2
-GENERATE_ROUNDS = 9  # per-token times per variant (median): the host's speed drifts by 10-15%
+#: generate() rounds per variant, each giving one per-token time (median): a round's figure is
+#: a difference of two runs, which moved by 0.7-2x between rounds on a noisy host
+GENERATE_ROUNDS = 15
 
 
 @dataclasses.dataclass
@@ -165,6 +168,12 @@ def _counters() -> tuple[int, int]:
 
     return (int(counters["stats"]["unique_graphs"]),
             int(sum(counters["graph_break"].values())))
+
+
+def prefill_steps(steps: int) -> int:
+    """Timed prefills per cell and variant for ``steps`` decode steps: a third, from 4 to 20
+    (a prefill costs 2-250 ms; 20 in blocks of :data:`PREFILL_BLOCK` gave ±1-2%)."""
+    return max(4, min(20, steps // 3))
 
 
 def _forward(model, mode: str, device: str) -> Callable:
@@ -267,21 +276,27 @@ def _generate(model, prompt, device: str, compiled: bool, n: int):
             out.sequences[:, prompt.shape[1]].clone())
 
 
-def speedup_interval(stock: Sequence[float], patched: Sequence[float], resamples: int = 2000,
-                     level: float = 0.95) -> tuple[float, float] | None:
+def speedup_interval(stock: Sequence[float], patched: Sequence[float], block: int = 1,
+                     resamples: int = 2000, level: float = 0.95) -> tuple[float, float] | None:
     """Percentile bootstrap interval of ``median(stock) / median(patched)``. The i-th times of
     both variants ran close in time (in one pair of blocks, or one round of generate()), so
-    pairs are resampled together: a drift of the machine's speed moves both. None under 3
-    pairs."""
+    pairs are resampled together: a drift of the machine's speed moves both. ``block``: the
+    pairs were timed in runs of this many per variant, and are resampled by those runs: a
+    burst of another tenant's host load slows a whole run of one variant, so its steps are
+    not independent draws (docs/design.md, "End-to-end bench"). None under 3 runs."""
     import random
 
     n = min(len(stock), len(patched))
-    if n < 3:
+    runs = [range(i, min(n, i + block)) for i in range(0, n, block)]
+    if len(runs) < 3:
         return None
     rng = random.Random(0)  # the same data gives the same interval
-    ratios = sorted(
-        statistics.median(stock[i] for i in idx) / statistics.median(patched[i] for i in idx)
-        for idx in ([rng.randrange(n) for _ in range(n)] for _ in range(resamples)))
+    ratios = []
+    for _ in range(resamples):
+        idx = [i for _ in runs for i in runs[rng.randrange(len(runs))]]
+        ratios.append(statistics.median(stock[i] for i in idx) /
+                      statistics.median(patched[i] for i in idx))
+    ratios.sort()
     tail = (1 - level) / 2
     return ratios[int(tail * resamples)], ratios[min(resamples - 1, int((1 - tail) * resamples))]
 
@@ -528,6 +543,7 @@ def _measure(workers: dict, cell: Cell, stream, steps, warmup, device,
     times = {v: [] for v in variants}
     core = _timing_core()  # both time on one core, taking turns
     if generate:
+        block = 1  # one round per variant at a time
         lo, hi = GENERATE_TOKENS
         for r in range(GENERATE_ROUNDS if device == "cuda" else 1):  # CPU: untimed
             # Per round and variant, the per-token time; the variants' order alternates, so a
@@ -536,7 +552,7 @@ def _measure(workers: dict, cell: Cell, stream, steps, warmup, device,
                 times[v].append(workers[v].call("generate_round", lo, hi, core))
     else:
         decode = cell.phase == "decode"
-        n = warmup + steps if decode else first_timed + max(4, steps // 3)
+        n = warmup + steps if decode else first_timed + prefill_steps(steps)
         block = BLOCK if decode else PREFILL_BLOCK
         for start in range(first_timed, n, block):
             for v in variants:
@@ -544,7 +560,7 @@ def _measure(workers: dict, cell: Cell, stream, steps, warmup, device,
     last = {v: workers[v].call("finish") for v in variants}
     cell.stock_ms, cell.patched_ms = (statistics.median(times[v]) for v in variants)
     cell.stock_times, cell.patched_times = (times[v] for v in variants)
-    cell.speedup_interval = speedup_interval(times["stock"], times["patched"])
+    cell.speedup_interval = speedup_interval(times["stock"], times["patched"], block)
     # generate(): compare the first decode step (the one compiled) where both variants chose
     # the reference's first token; where a near-tie of random weights made one choose another,
     # that step's inputs differ, so the prompt step (eager in generate) is compared instead.
