@@ -12,9 +12,8 @@ of the other variant there (compiled code, CUDA-graph trees, the allocator's poo
 design.md, "End-to-end bench"). The parent sets both up side by side (compiles, untimed), then
 times them in alternating blocks of steps (:data:`BLOCK`), one process on the GPU at a time and
 both on one core, so a drift of the machine's speed hits both alike. Beside each
-speed-up (the ratio of the median times), a 95% interval from resampling the pairs of i-th
-steps (:func:`speedup_interval`): a cell whose interval holds 1.0 is a tie within this run's
-noise.
+speed-up (the ratio of the median times), a 95% interval from resampling the pairs of blocks
+(:func:`speedup_interval`): a cell whose interval holds 1.0 is a tie within this run's noise.
 
 Correctness: random weights give near-ties, so greedy tokens alone prove nothing. Both
 variants are fed the same fixed token stream (teacher forcing) and their last logits are
