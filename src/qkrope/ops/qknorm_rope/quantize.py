@@ -87,7 +87,8 @@ def _token_head_scale(x_lo, x_hi, out_ptr):
     """A written row's scale and its reciprocal, from its fp32 halves (a V row passes itself
     twice): ``s = max(amax(|x|) / Q, 1e-6)``, NaN not counted, Q = 448 for e4m3, 127 for int8,
     as vLLM's per-token-head writer; an int8 row holding a NaN gets scale NaN (int8 has no NaN
-    code: the row reads back as NaN, never as in-range data)."""
+    code: the row reads back as NaN, never as in-range data), and so does the reciprocal its
+    codes are made with: every code of that row 0."""
     amax = tl.maximum(_row_max(tl.where(x_lo != x_lo, 0.0, tl.abs(x_lo))),
                       _row_max(tl.where(x_hi != x_hi, 0.0, tl.abs(x_hi))))
     if out_ptr.dtype.element_ty == tl.int8:
@@ -98,4 +99,4 @@ def _token_head_scale(x_lo, x_hi, out_ptr):
     else:
         s = tl.maximum(tl.math.div_rn(amax, 448.0), 1e-6)
         stored = s
-    return stored, tl.math.div_rn(1.0, s)
+    return stored, tl.math.div_rn(1.0, stored)

@@ -125,17 +125,18 @@ def quantize_token_head(rows: torch.Tensor, cache_dtype: torch.dtype):
     ``int8_per_token_head``): each row of the last dim gets ``s = max(amax(|x|) / Q, 1e-6)``
     (NaN not counted; Q = 448 for e4m3, 127 for int8) and is stored as ``y = x * (1 / s)``:
     e4m3 as R4, int8 rounded half away from zero (``y +- 0.5``, truncated) and saturated to
-    [-128, 127], an int8 NaN as 0 and its row's scale NaN (the row reads back as NaN). Every
-    operation is one IEEE fp32 rounding. Returns ``(codes, scales)``, the scales shaped as
-    ``rows`` without its last dim."""
+    [-128, 127]; an int8 row holding a NaN gets the scale NaN and every code 0 (it reads back
+    as NaN). Every operation is one IEEE fp32 rounding. Returns ``(codes, scales)``, the scales
+    shaped as ``rows`` without its last dim."""
     x = rows.float()
     amax = torch.where(x.isnan(), 0.0, x.abs()).amax(-1)
     if cache_dtype == torch.int8:
-        scales = torch.clamp_min(_div(amax, 127.0), 1e-6)
+        scales = torch.where(x.isnan().any(-1), float("nan"),
+                             torch.clamp_min(_div(amax, 127.0), 1e-6))
         y = x * _div(1.0, scales)[..., None]
         z = torch.where(y >= 0, y + 0.5, y - 0.5).clamp(-128, 127)
         codes = torch.where(y.isnan(), 0.0, z).trunc().to(torch.int8)
-        return codes, torch.where(x.isnan().any(-1), float("nan"), scales)
+        return codes, scales
     scales = torch.clamp_min(_div(amax, _FP8_MAX[cache_dtype]), 1e-6)
     return _fp8(x * _div(1.0, scales)[..., None], cache_dtype), scales
 
