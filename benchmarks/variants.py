@@ -59,6 +59,46 @@ _NO_TRIG = [Edit(KERNEL, "cos = libdevice.cos(angle)", "cos = angle * 0.0 + 1.0"
 _TRIG_HW = [Edit(KERNEL, "cos = libdevice.cos(angle)", "cos = libdevice.fast_cosf(angle)"),
             Edit(KERNEL, "sin = libdevice.sin(angle)", "sin = libdevice.fast_sinf(angle)")]
 
+# Per-token-head scales with the max instructions handling NaN (docs/perf-notes.md, lead 6 d):
+# the row maximum's combine (max.f32 on a GPU, fmax in the interpreter) skips a NaN (fp8: no
+# select per element before the amax), a NaN-propagating one (max.NaN.f32) keeps it (int8: the
+# row's NaN flag is its amax, one reduction fewer).
+_PTH_AMAX_MAX = [
+    Edit(QUANTIZE, """@triton.jit
+def _token_head_scale(""", """@triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _token_head_scale("""),
+    Edit(QUANTIZE, """    amax = tl.maximum(_row_max(tl.where(x_lo != x_lo, 0.0, tl.abs(x_lo))),
+                      _row_max(tl.where(x_hi != x_hi, 0.0, tl.abs(x_hi))))
+    if out_ptr.dtype.element_ty == tl.int8:
+        s = tl.maximum(tl.math.div_rn(amax, 127.0), 1e-6)
+        nan = tl.maximum(_row_max(tl.where(x_lo != x_lo, 1.0, 0.0)),
+                         _row_max(tl.where(x_hi != x_hi, 1.0, 0.0)))
+        stored = tl.where(nan > 0, float("nan"), s)
+    else:
+        s = tl.maximum(tl.math.div_rn(amax, 448.0), 1e-6)
+""", """    if out_ptr.dtype.element_ty == tl.int8:
+        amax = tl.maximum(tl.reduce(tl.abs(x_lo), 2, _max_nan)[:, :, None],
+                          tl.reduce(tl.abs(x_hi), 2, _max_nan)[:, :, None],
+                          propagate_nan=tl.PropagateNan.ALL)
+        s = tl.maximum(tl.math.div_rn(amax, 127.0), 1e-6)
+        stored = tl.where(amax != amax, float("nan"), s)
+    else:
+        amax = tl.maximum(_row_max(tl.abs(x_lo)), _row_max(tl.abs(x_hi)))
+        amax = tl.where(amax != amax, 0.0, amax)  # an all-NaN row: one select per row
+        s = tl.maximum(tl.math.div_rn(amax, 448.0), 1e-6)
+"""),
+]
+
+# INT8 codes without the clamp to [-128, 127]: from a per-token-head scale |y| < 127.00003, so
+# trunc(y +- 0.5) is in [-127, 127] already (docs/perf-notes.md, lead 6 c).
+_INT8_NO_CLAMP = [Edit(QUANTIZE, """        z = tl.minimum(tl.maximum(tl.where(y >= 0, y + 0.5, y - 0.5), -128.0), 127.0)""",
+                       """        z = tl.where(y >= 0, y + 0.5, y - 0.5)""")]
+
 #: name -> (what it probes, edits).
 VARIANTS: dict[str, tuple[str, list[Edit]]] = {
     "skeleton": ("loads and stores only, no norm, rotation or trig: a lower bound for this "
@@ -67,6 +107,11 @@ VARIANTS: dict[str, tuple[str, list[Edit]]] = {
                 "costs (wrong results by design)", _NO_TRIG),
     "trig_hw": ("libdevice's fast_cosf/fast_sinf (MUFU approximations) instead of the accurate "
                 "cos/sin: cost probe, wrong at large angles", _TRIG_HW),
+    "pth_amax_max": ("per-token-head amax with NaN handled by max.f32 / max.NaN.f32: no "
+                     "select per element, int8's NaN flag reduction gone (GPU only)",
+                     _PTH_AMAX_MAX),
+    "int8_no_clamp": ("int8 codes without the dead clamp to [-128, 127]", _INT8_NO_CLAMP),
+    "pth_lean": ("pth_amax_max and int8_no_clamp together", _PTH_AMAX_MAX + _INT8_NO_CLAMP),
     "int32_addressing": ("every int64 conversion made int32: what int64 offsets cost (wrong "
                          "past 2**31 elements by design)",
                          [Edit(KERNEL, ".to(tl.int64)", ".to(tl.int32)", every=True)]),

@@ -126,6 +126,7 @@ def test_zero_nan_inf_and_huge_rows():
     v[0, 1, 3] = float("nan")          # NaN: not in the amax, stored as 0x7F
     v[1, 0, 5] = float("inf")          # inf: scale inf, the row 0 but the inf (NaN)
     v[1, 1] = 3e4                      # huge: scale 3e4 / 448, codes 448
+    v[2, 0] = float("nan")             # all NaN: nothing in the amax, scale 1e-6, codes 0x7F
     slots = torch.tensor([0, 1, 2, 3], device=DEVICE, dtype=args[6].dtype)
     kc, vc = args[4].to(FP8), args[5].to(FP8)
     ksc = torch.full(kc.shape[:-1], POISON, device=DEVICE)
@@ -141,6 +142,7 @@ def test_zero_nan_inf_and_huge_rows():
     assert nan_codes[3] == 0x7F and (nan_codes[others] != 0x7F).all()
     assert vsc[0, 1, 0] == float("inf") and vc[0, 1, 0].view(torch.uint8)[5] == 0x7F
     assert (vc[0, 1, 1].float().abs() == 448).all()
+    assert vsc[0, 2, 0] == torch.tensor(1e-6) and (vc[0, 2, 0].view(torch.uint8) == 0x7F).all()
 
 
 def test_scale_caches_under_torch_compile_equal_eager():
@@ -211,6 +213,7 @@ def test_int8_zero_nan_inf_and_huge_rows():
     v[0, 1, 3] = float("nan")          # int8 has no NaN: the row's scale NaN, its codes 0
     v[1, 0, 5] = float("inf")          # scale inf: every element reads back NaN
     v[1, 1] = -3e4                     # huge: codes -127 (half away from zero, saturated)
+    v[2, 0] = float("nan")             # all NaN: scale NaN, codes 0
     slots = torch.tensor([0, 1, 2, 3], device=DEVICE, dtype=args[6].dtype)
     kc, vc = args[4].to(torch.int8), args[5].to(torch.int8)
     ksc = torch.full(kc.shape[:-1], POISON, device=DEVICE)
@@ -224,6 +227,7 @@ def test_int8_zero_nan_inf_and_huge_rows():
     assert vsc[0, 0, 1].isnan() and (vc[0, 0, 1] == 0).all()
     assert vsc[0, 1, 0] == float("inf")
     assert (vc[0, 1, 1] == -127).all()
+    assert vsc[0, 2, 0].isnan() and (vc[0, 2, 0] == 0).all()
     decoded = vc[0, :4].float() * vsc[0, :4, :, None]
     assert decoded[0, 1].isnan().all() and decoded[1, 0].isnan().all()
 
