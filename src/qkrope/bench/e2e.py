@@ -344,8 +344,12 @@ class _Variant:
         torch._dynamo.utils.counters.clear()
         self.mode, self.stream = mode, stream.to(self.device)
         if mode == "generate":
-            _generate(self.model, self.stream[:, :PROMPT], self.device, self.device == "cuda",
-                      GENERATE_TOKENS[0])
+            # Both lengths a round runs: each sizes its own static cache, and the first run of
+            # a size compiles and records its graphs (a first round of 100-220 ms per token
+            # where the others took 2-3: benchmarks/results/e2e-*-200b1c3.json, batch 1).
+            for n in GENERATE_TOKENS if self.device == "cuda" else GENERATE_TOKENS[:1]:
+                _generate(self.model, self.stream[:, :PROMPT], self.device,
+                          self.device == "cuda", n)
         else:
             self.stepper = _Stepper(self.model, _forward(self.model, mode, self.device),
                                     self.stream, phase, self.device,
