@@ -131,7 +131,8 @@ case "${1:-tests}" in
         f="--kv-scales per-token-head --kv-dtype int8"
         [ $mode = fp8-pth-q8 ] && f="--kv-scales per-token-head --kv-dtype fp8 --q-out fp8"
         for tree in production "$@"; do
-          p=${PYTHONPATH:-}; [ $tree != production ] && p=/tmp/v/$tree/src${PYTHONPATH:+:$PYTHONPATH}
+          p=${PYTHONPATH:-}
+          [ $tree != production ] && p=/tmp/v/$tree/src${PYTHONPATH:+:$PYTHONPATH}
           PYTHONPATH=$p timeout 60 python3 -m qkrope bench --impl qkrope $f --no-graph \
             --host-calls 100 > /tmp/quant-run.md 2>&1
           echo "round $round $mode $tree rc=$?" | tee -a "$OUT/variants-quant.md"

@@ -96,8 +96,9 @@ def _token_head_scale("""),
 
 # INT8 codes without the clamp to [-128, 127]: from a per-token-head scale |y| < 127.00003, so
 # trunc(y +- 0.5) is in [-127, 127] already (docs/perf-notes.md, lead 6 c).
-_INT8_NO_CLAMP = [Edit(QUANTIZE, """        z = tl.minimum(tl.maximum(tl.where(y >= 0, y + 0.5, y - 0.5), -128.0), 127.0)""",
-                       """        z = tl.where(y >= 0, y + 0.5, y - 0.5)""")]
+_INT8_NO_CLAMP = [Edit(
+    QUANTIZE, """        z = tl.minimum(tl.maximum(tl.where(y >= 0, y + 0.5, y - 0.5), -128.0), 127.0)""",
+    """        z = tl.where(y >= 0, y + 0.5, y - 0.5)""")]
 
 #: name -> (what it probes, edits).
 VARIANTS: dict[str, tuple[str, list[Edit]]] = {
@@ -108,7 +109,7 @@ VARIANTS: dict[str, tuple[str, list[Edit]]] = {
     "trig_hw": ("libdevice's fast_cosf/fast_sinf (MUFU approximations) instead of the accurate "
                 "cos/sin: cost probe, wrong at large angles", _TRIG_HW),
     "pth_amax_max": ("per-token-head amax with NaN handled by max.f32 / max.NaN.f32: no "
-                     "select per element, int8's NaN flag reduction gone (GPU only)",
+                     "select per element, int8's NaN flag reduction gone",
                      _PTH_AMAX_MAX),
     "int8_no_clamp": ("int8 codes without the dead clamp to [-128, 127]", _INT8_NO_CLAMP),
     "pth_lean": ("pth_amax_max and int8_no_clamp together", _PTH_AMAX_MAX + _INT8_NO_CLAMP),
