@@ -489,6 +489,7 @@ def test_e2e_cpu_path_checks_the_patched_model_and_its_graphs(tmp_path, capsys):
     assert (cells["compile"]["graphs"], cells["compile"]["graph_breaks"],
             cells["compile"]["recompiles_after_warmup"]) == (2, 0, 0)
     assert all(c["stock_ms"] is None and c["stock_times"] is None and c["error"] is None
+               and c["stock_host_ms"] is None and c["patched_host_times"] is None
                for c in cells.values())
 
 
@@ -508,6 +509,12 @@ def test_e2e_workers_report_errors_and_deaths_instead_of_hanging():
     try:
         route, digest = w.result()  # ready: its launch route, its weights' digest
         assert route.startswith("python") and len(digest) > 4
+        # A timed block gives each step's wall time and its host part (until the forward
+        # returned), which is never longer.
+        from qkrope.bench.e2e import PROMPT, TINY_VOCAB
+        w.call("setup", "eager", "decode", torch.randint(0, TINY_VOCAB, (1, PROMPT + 3)), 1)
+        steps = w.call("block", 1, 3, None)
+        assert len(steps) == 2 and all(0 < host <= wall for wall, host in steps), steps
         w.proc.kill()
         with pytest.raises(WorkerError, match="the stock worker died"):
             w.call("block", 0, 1, None)

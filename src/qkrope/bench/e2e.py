@@ -5,7 +5,9 @@ weights (no download), bf16, a ``StaticCache``; per batch, a decode step (one ne
 sequence after a prompt) and a prefill of ``prefill_len`` tokens, in four modes: eager,
 ``torch.compile`` (default mode), ``torch.compile(mode="reduce-overhead")`` (CUDA graphs), and
 ``model.generate(..., cache_implementation="static")``, which compiles the decode step itself.
-Each figure is wall time per step with the device synchronised, so host time counts.
+Each figure is wall time per step with the device synchronised, so host time counts; beside
+it the step's host part (until the forward returned), so a difference splits into host work
+and time waited for the GPU.
 
 Stock and patched each run in a worker process of their own, as in a user's process: nothing
 of the other variant there (compiled code, CUDA-graph trees, the allocator's pool; docs/
@@ -86,6 +88,11 @@ class Cell:
     mode: str
     stock_ms: float | None = None
     patched_ms: float | None = None
+    # median ms of a step's host part: from the call until the forward returned, before the
+    # synchronisation (guards, Python, launches or a CUDA-graph replay's launch); the rest of
+    # a step is GPU time the host waited for (None for generate(): its loop is one call)
+    stock_host_ms: float | None = None
+    patched_host_ms: float | None = None
     # 95% interval of the speed-up: the ratio of medians over resampled step pairs
     speedup_interval: tuple[float, float] | None = None
     stock_dev: float | None = None     # max |logit - stock eager logit| of the stock model
@@ -99,6 +106,8 @@ class Cell:
     # generate() round; where the first step of a block pays for the switch, it shows here
     stock_times: list[float] | None = None
     patched_times: list[float] | None = None
+    stock_host_times: list[float] | None = None  # each timed step's host part, the same order
+    patched_host_times: list[float] | None = None
 
     @property
     def speedup(self) -> float | None:
@@ -358,10 +367,11 @@ class _Variant:
                 self.stepper.step(i)
         self.counts = _counters()
 
-    def block(self, start: int, stop: int, core: int | None) -> list[float]:
-        """Timed steps ``start .. stop - 1`` (wall ms each), on ``core`` (:func:`_pin`)."""
+    def block(self, start: int, stop: int, core: int | None) -> list[tuple[float, float]]:
+        """Timed steps ``start .. stop - 1``, on ``core`` (:func:`_pin`): ``(wall ms, host
+        ms)`` each (:meth:`_Stepper.step`)."""
         _pin(core)
-        return [self.stepper.step(i) for i in range(start, stop)]
+        return [(self.stepper.step(i), self.stepper.host_ms) for i in range(start, stop)]
 
     def generate_round(self, lo: int, hi: int, core: int | None) -> float:
         """ms per token of the tokens between a ``lo``- and a ``hi``-token generate() run
@@ -544,6 +554,7 @@ def _measure(workers: dict, cell: Cell, stream, steps, warmup, device,
     for v in variants:
         workers[v].result()
     times = {v: [] for v in variants}
+    hosts = {v: [] for v in variants}
     core = _timing_core()  # both time on one core, taking turns
     if generate:
         block = 1  # one round per variant at a time
@@ -559,10 +570,15 @@ def _measure(workers: dict, cell: Cell, stream, steps, warmup, device,
         block = BLOCK if decode else PREFILL_BLOCK
         for start in range(first_timed, n, block):
             for v in variants:
-                times[v] += workers[v].call("block", start, min(n, start + block), core)
+                for wall, host in workers[v].call("block", start, min(n, start + block), core):
+                    times[v].append(wall)
+                    hosts[v].append(host)
     last = {v: workers[v].call("finish") for v in variants}
     cell.stock_ms, cell.patched_ms = (statistics.median(times[v]) for v in variants)
     cell.stock_times, cell.patched_times = (times[v] for v in variants)
+    if not generate:
+        cell.stock_host_ms, cell.patched_host_ms = (statistics.median(hosts[v]) for v in variants)
+        cell.stock_host_times, cell.patched_host_times = (hosts[v] for v in variants)
     cell.speedup_interval = speedup_interval(times["stock"], times["patched"], block)
     # generate(): compare the first decode step (the one compiled) where both variants chose
     # the reference's first token; where a near-tie of random weights made one choose another,
@@ -633,6 +649,8 @@ def run_e2e(presets: Sequence[str], batches: Sequence[int], modes: Sequence[str]
             if not timed:
                 cell.stock_ms = cell.patched_ms = cell.speedup_interval = None
                 cell.stock_times = cell.patched_times = None
+                cell.stock_host_ms = cell.patched_host_ms = None
+                cell.stock_host_times = cell.patched_host_times = None
             report.cells.append(cell)
             if on_update is not None:
                 on_update(report)
@@ -667,6 +685,12 @@ def _interval(c: Cell) -> str:
     return f" ({lo:.3f}-{hi:.3f})"
 
 
+def _host(c: Cell) -> str:
+    if c.stock_host_ms is None or c.patched_host_ms is None:
+        return "—"
+    return f"{c.stock_host_ms:.3f} / {c.patched_host_ms:.3f}"
+
+
 def render_e2e_markdown(report: E2EReport) -> str:
     env = report.environment
     lines = [f"End to end: {report.layers} decoder layers at each preset's width, random "
@@ -681,8 +705,9 @@ def render_e2e_markdown(report: E2EReport) -> str:
                   "dynamo's eager backend; correctness and graph counts only. Timing needs a "
                   "CUDA GPU.", ""]
     lines += ["| preset | batch | phase | mode | stock ms | patched ms | speed-up (95%) | "
-              "max Δlogit stock / patched (allowed) | correct | graphs / breaks / recompiles |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              "host ms stock / patched | max Δlogit stock / patched (allowed) | correct | "
+              "graphs / breaks / recompiles |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in report.cells:
         if c.error:
             verdict = f"error: {c.error}"
@@ -692,7 +717,7 @@ def render_e2e_markdown(report: E2EReport) -> str:
             f"{c.graphs} / {c.graph_breaks} / {c.recompiles_after_warmup}"
         lines.append(f"| {c.preset} | {c.batch} | {c.phase} | {c.mode} | {_f(c.stock_ms)} | "
                      f"{_f(c.patched_ms)} | {_f(c.speedup, '{:.2f}×')}{_interval(c)} | "
-                     f"{_f(c.stock_dev, '{:.3g}')}"
+                     f"{_host(c)} | {_f(c.stock_dev, '{:.3g}')}"
                      f" / {_f(c.patched_dev, '{:.3g}')} ({_f(c.allowed_dev, '{:.3g}')}) | "
                      f"{verdict} | {graphs} |")
     if report.op_host_us:
