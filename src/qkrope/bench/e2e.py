@@ -189,7 +189,7 @@ def _forward(model, mode: str, device: str) -> Callable:
     frame's compiled entries per code object: where two variants run in one process
     (``benchmarks/e2e_profile.py``), compiled from the one method they would share a list, and
     every step would first run the other variant's guards and fail, host time no user's process
-    spends (docs/perf-notes.md, lead 5 g)."""
+    spends (docs/design.md, "End-to-end bench")."""
     if mode == "eager":
         return model.forward
     fn = model.forward.__func__
