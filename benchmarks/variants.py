@@ -100,6 +100,73 @@ _INT8_NO_CLAMP = [Edit(
     QUANTIZE, """        z = tl.minimum(tl.maximum(tl.where(y >= 0, y + 0.5, y - 0.5), -128.0), 127.0)""",
     """        z = tl.where(y >= 0, y + 0.5, y - 0.5)""")]
 
+# Per-token-head scales with every row reduction of K and V before the first division
+# (docs/perf-notes.md, lead 6 e): ``div_rn``'s slow-path branch ends a basic block, and ptxas
+# schedules within one, so in production K's amax, K's division, K's NaN flag, V's amax, V's
+# division... run one after another (row 1's one-warp programs: 5 shuffle rounds each). Here
+# the amax of K and of V (an int8 row's NaN carried in it) come first and interleave.
+_PTH_EARLY_KERNEL = [
+    Edit(KERNEL, "from .quantize import _store_codes, _store_fp8, _token_head_scale",
+         "from .quantize import _store_codes, _store_fp8, _token_head_amax, _token_head_scale_of"),
+    Edit(KERNEL, """\
+        if K_DYN:  # each row's own scale, stored too (docs/design.md, "Per-token-head scales")
+            k32_lo, k32_hi = k_lo.to(tl.float32), k_hi.to(tl.float32)
+            k_sc, k_r = _token_head_scale(k32_lo, k32_hi, k_cache_ptr)
+""", """        if K_DYN:
+            k32_lo, k32_hi = k_lo.to(tl.float32), k_hi.to(tl.float32)
+            k_amax = _token_head_amax(k32_lo, k32_hi, k_cache_ptr)
+        if V_DYN:
+            v32 = v.to(tl.float32)
+            v_amax = _token_head_amax(v32, v32, v_cache_ptr)
+        if K_DYN:  # each row's own scale, stored too (docs/design.md, "Per-token-head scales")
+            k_sc, k_r = _token_head_scale_of(k_amax, k_cache_ptr)
+"""),
+    Edit(KERNEL, """            v32 = v.to(tl.float32)
+            v_sc, v_r = _token_head_scale(v32, v32, v_cache_ptr)
+""", """            v_sc, v_r = _token_head_scale_of(v_amax, v_cache_ptr)
+"""),
+]
+_SCALE_RETURN = "    return stored, tl.math.div_rn(1.0, stored)\n"
+_SCALE_OF = '''
+
+@triton.jit
+def _token_head_scale_of(amax, out_ptr):
+    """_token_head_scale's divisions, from _token_head_amax's row maximum."""
+    if out_ptr.dtype.element_ty == tl.int8:
+        s = tl.maximum(tl.math.div_rn(amax, 127.0), 1e-6)
+        stored = tl.where(amax != amax, float("nan"), s)
+    else:
+        stored = tl.maximum(tl.math.div_rn(amax, 448.0), 1e-6)
+    return stored, tl.math.div_rn(1.0, stored)
+'''
+_PTH_EARLY = _PTH_EARLY_KERNEL + [Edit(QUANTIZE, _SCALE_RETURN, _SCALE_RETURN + '''
+
+@triton.jit
+def _token_head_amax(x_lo, x_hi, out_ptr):
+    """_token_head_scale's row reductions alone; an int8 row holding a NaN: amax NaN."""
+    amax = tl.maximum(_row_max(tl.where(x_lo != x_lo, 0.0, tl.abs(x_lo))),
+                      _row_max(tl.where(x_hi != x_hi, 0.0, tl.abs(x_hi))))
+    if out_ptr.dtype.element_ty == tl.int8:
+        nan = tl.maximum(_row_max(tl.where(x_lo != x_lo, 1.0, 0.0)),
+                         _row_max(tl.where(x_hi != x_hi, 1.0, 0.0)))
+        amax = tl.where(nan > 0, float("nan"), amax)
+    return amax
+''' + _SCALE_OF)]
+# The same on pth_lean's quantize.py (its int8 amax carries a row's NaN already).
+_PTH_LEAN_EARLY = _PTH_AMAX_MAX + _INT8_NO_CLAMP + _PTH_EARLY_KERNEL + [
+    Edit(QUANTIZE, _SCALE_RETURN, _SCALE_RETURN + '''
+
+@triton.jit
+def _token_head_amax(x_lo, x_hi, out_ptr):
+    """_token_head_scale's row reductions alone; an int8 row holding a NaN: amax NaN."""
+    if out_ptr.dtype.element_ty == tl.int8:
+        return tl.maximum(tl.reduce(tl.abs(x_lo), 2, _max_nan)[:, :, None],
+                          tl.reduce(tl.abs(x_hi), 2, _max_nan)[:, :, None],
+                          propagate_nan=tl.PropagateNan.ALL)
+    amax = tl.maximum(_row_max(tl.abs(x_lo)), _row_max(tl.abs(x_hi)))
+    return tl.where(amax != amax, 0.0, amax)  # an all-NaN row: one select per row
+''' + _SCALE_OF)]
+
 #: name -> (what it probes, edits).
 VARIANTS: dict[str, tuple[str, list[Edit]]] = {
     "skeleton": ("loads and stores only, no norm, rotation or trig: a lower bound for this "
@@ -113,6 +180,9 @@ VARIANTS: dict[str, tuple[str, list[Edit]]] = {
                      _PTH_AMAX_MAX),
     "int8_no_clamp": ("int8 codes without the dead clamp to [-128, 127]", _INT8_NO_CLAMP),
     "pth_lean": ("pth_amax_max and int8_no_clamp together", _PTH_AMAX_MAX + _INT8_NO_CLAMP),
+    "pth_early": ("per-token-head: K's and V's row reductions before the first division",
+                  _PTH_EARLY),
+    "pth_lean_early": ("pth_lean and pth_early together", _PTH_LEAN_EARLY),
     "int32_addressing": ("every int64 conversion made int32: what int64 offsets cost (wrong "
                          "past 2**31 elements by design)",
                          [Edit(KERNEL, ".to(tl.int64)", ".to(tl.int32)", every=True)]),
