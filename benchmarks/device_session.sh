@@ -27,7 +27,8 @@
 #   bash benchmarks/device_session.sh variants-quant NAME... # quantised-store variants: the
 #                                                  # per-token-head GPU tests on the last one's
 #                                                  # tree, then fp8-pth-q8 and int8-pth on the tree
-#                                                  # and each variant, 2 rounds alternating (~6 min)
+#                                                  # and each variant, 2 rounds alternating (~2 min
+#                                                  # + ~1 min per variant)
 #   bash benchmarks/device_session.sh verify REV # after a kernel change: tests, suite, A/B, sweep
 #   bash benchmarks/device_session.sh e2e-ab SRC [ARGS] # e2e cells, another tree's src/ (e.g. a
 #                                                  # carried `git archive REV src` copy) against
@@ -124,7 +125,7 @@ case "${1:-tests}" in
     rev=${2:?usage: device_session.sh variants REV NAME...}; shift 2
     python3 benchmarks/kernel_ab.py --rev "$rev" ${@/#/--variant=} --rounds 3 --iters 40 \
       --json "$OUT/kernel-ab-variants.json" 2>&1 | tee "$OUT/kernel-ab-variants.md" ;;
-  variants-quant) # docs/perf-notes.md, lead 6 d (one summary file: the tool returns at most 8)
+  variants-quant) # docs/perf-notes.md, leads 6 d and 6 e (one summary file: the tool returns 8)
     shift; python3 benchmarks/variants.py /tmp/v "$@" || exit 1
     last=${!#}
     PYTHONPATH=/tmp/v/$last/src${PYTHONPATH:+:$PYTHONPATH} timeout 200 python3 -m pytest -q \

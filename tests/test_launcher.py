@@ -383,4 +383,3 @@ def test_fast_path_takes_inference_caches_outside_inference_mode(fake):
     op(*args, **kwargs)
     op(*args, **kwargs)
     assert len(runs) == 1, "second call not through the plan"
-

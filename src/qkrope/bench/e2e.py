@@ -93,7 +93,7 @@ class Cell:
     # a step is GPU time the host waited for (None for generate(): its loop is one call)
     stock_host_ms: float | None = None
     patched_host_ms: float | None = None
-    # 95% interval of the speed-up: the ratio of medians over resampled step pairs
+    # 95% interval of the speed-up: the ratio of medians over resampled pairs of blocks
     speedup_interval: tuple[float, float] | None = None
     stock_dev: float | None = None     # max |logit - stock eager logit| of the stock model
     patched_dev: float | None = None   # ... of the patched model
