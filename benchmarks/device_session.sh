@@ -27,8 +27,8 @@
 #   bash benchmarks/device_session.sh variants-quant NAME... # quantised-store variants: the
 #                                                  # per-token-head GPU tests on the last one's
 #                                                  # tree, then fp8-pth-q8 and int8-pth on the tree
-#                                                  # and each variant, 2 rounds alternating (~2 min
-#                                                  # + ~1 min per variant)
+#                                                  # and each variant, 2 rounds alternating (tests
+#                                                  # ~2-3 min, then ~1 min per tree)
 #   bash benchmarks/device_session.sh verify REV # after a kernel change: tests, suite, A/B, sweep
 #   bash benchmarks/device_session.sh e2e-ab SRC [ARGS] # e2e cells, another tree's src/ (e.g. a
 #                                                  # carried `git archive REV src` copy) against
