@@ -10,8 +10,10 @@
 #   bash benchmarks/device_session.sh flashinfer # qkrope bench --layout paged vs FlashInfer
 #   bash benchmarks/device_session.sh sweep      # --sweep vs torch.compile, 96/8 and 32/8 heads
 #   bash benchmarks/device_session.sh presets    # sweeps: qwen3-32b, qwen3-vl-8b, qwen3.5-27b
-#   bash benchmarks/device_session.sh e2e [PRESET] # qkrope bench --e2e: the model, stock vs patched
-#                                                  # (H100: qwen3-8b ~5 min, 32b and 3.5-27b ~7)
+#   bash benchmarks/device_session.sh e2e [PRESET [ARGS]] # qkrope bench --e2e: the model, stock vs
+#                                                  # patched (H100: qwen3-8b ~5 min, 32b and 3.5-27b
+#                                                  # ~7); ARGS pass on (e.g. --modes reduce-overhead
+#                                                  # --phases decode --batch 1: one cell)
 #   bash benchmarks/device_session.sh tests-e2e [PRESET] # the GPU tests (xdist), then e2e, in
 #                                                  # one call (~9 min): after a change of the
 #                                                  # op or the integration
@@ -63,7 +65,7 @@ case "${1:-tests}" in
              --host-calls 200 --json "$OUT/sweep-$m.json" --plot "$OUT/sweep-$m.png" \
              2>&1 | tee "$OUT/sweep-$m.md"
          done ;;
-  e2e)   python3 -m qkrope bench --e2e ${2:+--model $2} --json "$OUT/e2e.json" \
+  e2e)   python3 -m qkrope bench --e2e ${2:+--model $2} "${@:3}" --json "$OUT/e2e.json" \
            --plot "$OUT/e2e.png" 2>&1 | tee "$OUT/e2e.md" ;;
   tests-e2e)
     timeout 240 python3 -m pytest tests/ -q -p no:cacheprovider -n 12 > "$OUT/pytest.log" 2>&1
