@@ -28,9 +28,9 @@
 #   bash benchmarks/device_session.sh variants REV NAME... # kernel_ab: REV, the tree, variants
 #   bash benchmarks/device_session.sh variants-quant NAME... # quantised-store variants: the
 #                                                  # per-token-head GPU tests on the last one's
-#                                                  # tree, then fp8-pth-q8 and int8-pth on the tree
-#                                                  # and each variant, 2 rounds alternating (tests
-#                                                  # ~2-3 min, then ~1 min per tree)
+#                                                  # tree, then tile_sweep: bf16, fp8-pth-q8 and
+#                                                  # int8-pth, production and each variant at 4
+#                                                  # tiles, alternating (tests ~2-3 min, sweep ~3)
 #   bash benchmarks/device_session.sh verify REV # after a kernel change: tests, suite, A/B, sweep
 #   bash benchmarks/device_session.sh e2e-ab SRC [ARGS] # e2e cells, another tree's src/ (e.g. a
 #                                                  # carried `git archive REV src` copy) against
@@ -127,27 +127,25 @@ case "${1:-tests}" in
     rev=${2:?usage: device_session.sh variants REV NAME...}; shift 2
     python3 benchmarks/kernel_ab.py --rev "$rev" ${@/#/--variant=} --rounds 3 --iters 40 \
       --json "$OUT/kernel-ab-variants.json" 2>&1 | tee "$OUT/kernel-ab-variants.md" ;;
-  variants-quant) # docs/perf-notes.md, leads 6 d and 6 e (one summary file: the tool returns 8)
+  variants-quant) # docs/perf-notes.md, leads 6 d-f: the per-token-head GPU tests on the last
+    # variant's tree, then tile_sweep per mode (bf16 outputs first, for the ratio): production
+    # and each variant at pick_config's tile and at narrower K/V tiles, alternating in one process
     shift; python3 benchmarks/variants.py /tmp/v "$@" || exit 1
     last=${!#}
     PYTHONPATH=/tmp/v/$last/src${PYTHONPATH:+:$PYTHONPATH} timeout 200 python3 -m pytest -q \
       -p no:cacheprovider -n 12 tests/test_per_token_head.py tests/test_qknorm_rope.py \
       tests/test_gpu.py 2>&1 | tail -3
-    for round in 1 2; do
-      for mode in fp8-pth-q8 int8-pth; do
-        f="--kv-scales per-token-head --kv-dtype int8"
-        [ $mode = fp8-pth-q8 ] && f="--kv-scales per-token-head --kv-dtype fp8 --q-out fp8"
-        for tree in production "$@"; do
-          p=${PYTHONPATH:-}
-          [ $tree != production ] && p=/tmp/v/$tree/src${PYTHONPATH:+:$PYTHONPATH}
-          PYTHONPATH=$p timeout 60 python3 -m qkrope bench --impl qkrope $f --no-graph \
-            --host-calls 100 > /tmp/quant-run.md 2>&1
-          echo "round $round $mode $tree rc=$?" | tee -a "$OUT/variants-quant.md"
-          grep -E "Geometric|^\| [0-9]" /tmp/quant-run.md >> "$OUT/variants-quant.md"
-          grep Geometric /tmp/quant-run.md
-        done
-      done
-    done ;;
+    kernels=production; for name in "$@"; do kernels=$kernels,$name; done
+    rows=1,2,3,4,5,6,7,8,9,10,11,12,13,p1,p2,p3 tiles="pick 16,4,1,2 16,2,1,2 16,1,1,2"
+    timeout 120 python3 benchmarks/tile_sweep.py --rows $rows --configs $tiles --rounds 3 \
+      > "$OUT/tiles-bf16.md" 2>&1; echo "bf16 rc=$?"
+    for mode in fp8-pth-q8 int8-pth; do
+      f="--kv-scales per-token-head --kv-dtype int8"
+      [ $mode = fp8-pth-q8 ] && f="--kv-scales per-token-head --kv-dtype fp8 --q-out fp8"
+      timeout 240 python3 benchmarks/tile_sweep.py --rows $rows $f --rounds 3 \
+        --configs $tiles --variants $kernels > "$OUT/tiles-$mode.md" 2>&1; echo "$mode rc=$?"
+    done
+    grep -h "^#" "$OUT"/tiles-*.md | cut -c1-400 ;;
   verify) # GPU tests (xdist), the suite, the partial-rotary preset's sweep, kernel_ab against REV
     rev=${2:?usage: device_session.sh verify REV}
     timeout 240 python3 -m pytest tests/ -q -p no:cacheprovider -n 12 > "$OUT/pytest.log" 2>&1

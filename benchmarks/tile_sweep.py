@@ -8,6 +8,7 @@ docs/design.md's tile rule and libdevice trig figures.
     python benchmarks/tile_sweep.py --rows 3,6,8 --configs pick --variants production,trig_hw
     python benchmarks/tile_sweep.py --rows 1:0:1 --check-only       # no GPU: the interpreter
     python benchmarks/tile_sweep.py --model qwen3.5-27b --rows 8:0:1 --configs pick 1,1,1,1
+    python benchmarks/tile_sweep.py --rows 1,3,4 --kv-dtype int8 --kv-scales per-token-head
 
 Rows: suite numbers 1-13, paged p1-p3, or S:C:B. Each candidate (config x variant) goes through
 the production launch (``launcher.launch``, Triton's public launch) with ``pick_config``'s
@@ -16,7 +17,8 @@ substituted (benchmarks/variants.py), loaded as a separate module: nothing of th
 lives in src/. Every candidate is first checked against the reference (query/key outputs and
 the written cache rows, SPEC §2 rule at the row's atol); probes that drop work are expected to
 fail it. Rounds alternate the candidates; per candidate the median of all its calls is
-reported.
+reported. ``--kv-dtype``, ``--kv-scales`` and ``--q-out`` are ``qkrope bench``'s quantised
+modes (bench/quant.py: the same scales, checked after dequantisation).
 """
 
 from __future__ import annotations
@@ -36,8 +38,10 @@ from _common import (  # noqa: E402
 )
 from variants import VARIANTS, variant_kernel  # noqa: E402
 from qkrope._interpret import interpreting  # noqa: E402
+from qkrope.bench import quant as quant_modes  # noqa: E402
 from qkrope.ops.qknorm_rope import launcher  # noqa: E402
-from qkrope.suite import DEFAULT_MODEL, MODELS, bytes_moved, check_outputs  # noqa: E402
+from qkrope.ops.qknorm_rope.checks import scalar_on  # noqa: E402
+from qkrope.suite import DEFAULT_MODEL, MODELS, check_outputs  # noqa: E402
 
 DEFAULT_CONFIGS = ["pick", "1,1,1,1", "2,1,1,1", "2,2,1,1", "8,8,1,2", "16,8,1,2", "32,8,1,4",
                    "16,8,2,2"]
@@ -55,19 +59,30 @@ def written_rows(row, outs):
     return q, k, flat(kc), flat(vc)
 
 
-def check(row, args, want, kernel, config, opts) -> str:
+def outputs_of(args, quant):
+    """``(query_out, key_out, launch keywords, dequantisation keywords)`` for a launch on
+    ``args`` in mode ``quant``: fresh output buffers and scale caches, static scales on the
+    device as the public entry points pass them."""
+    kw = quant.call_kwargs(args)
+    q_out = kw.get("query_out", torch.empty_like(args[0]))
+    scales = {k: scalar_on(v, args[0].device) if isinstance(v, float) else v
+              for k, v in kw.items() if k != "query_out"}
+    return q_out, torch.empty_like(args[1]), scales, kw
+
+
+def check(row, args, want, kernel, config, opts, quant) -> str:
     """One call of the candidate on fresh copies of the caches, against the reference's
-    ``want`` (:func:`written_rows`): "ok", "WRONG", or "FAILED: why" (a tile or variant that
-    does not compile or launch)."""
+    ``want`` (:func:`written_rows`, dequantised): "ok", "WRONG", or "FAILED: why" (a tile or
+    variant that does not compile or launch)."""
     kc, vc = args[4].clone(), args[5].clone()
     mine = (*args[:4], kc, vc, *args[6:])
-    q_out, k_out = torch.empty_like(args[0]), torch.empty_like(args[1])
+    q_out, k_out, scales, kw = outputs_of(mine, quant)
     try:
         with forced(kernel=kernel, config=config):
-            launcher.launch(*launch_args(mine, q_out, k_out, opts))
+            launcher.launch(*launch_args(mine, q_out, k_out, opts, **scales))
     except Exception as e:  # reported in the table; the other candidates still run
         return f"FAILED: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
-    got = written_rows(row, (q_out, k_out, kc, vc, args))
+    got = written_rows(row, (*quant.dequantize((q_out, k_out, kc, vc), kw), args))
     return "ok" if all(c.ok for c in check_outputs(got, want, row.workload.atol)) else "WRONG"
 
 
@@ -92,9 +107,11 @@ def main() -> None:
     p.add_argument("--model", default=DEFAULT_MODEL.name, choices=sorted(MODELS),
                    help="head geometry of the rows (default: the suite's 96/8/128)")
     p.add_argument("--json", metavar="PATH", help="write every timed call here")
+    quant_modes.add_arguments(p)
     args = p.parse_args()
     model = MODELS[args.model]
     try:
+        quant = quant_modes.Quant.from_args(args)
         rows = parse_rows(args.rows)
         configs = [(text, None if text == "pick" else parse_config(text))
                    for text in args.configs]
@@ -120,6 +137,8 @@ def main() -> None:
         print(f"{torch.cuda.get_device_name()} | {model.name} ({model.num_q_heads}/"
               f"{model.num_kv_heads}/{model.head_dim}) | copy bandwidth {bw / 1e12:.2f} TB/s | "
               f"{args.rounds} round(s) x {args.iters} calls, candidates alternating")
+    if quant.active:
+        print(f"quantised mode: {quant.describe()}")
     for v in variants:
         if v != "production":
             print(f"variant {v}: {VARIANTS[v][0]}")
@@ -129,11 +148,15 @@ def main() -> None:
         cache_len = None if row.paged else args.cache_len or (
             model.max_position_embeddings if device == "cuda" else w.cache_len + w.seq_len)
         g = torch.Generator(device=device).manual_seed(0)
-        a = row_inputs(row, device=device, generator=g, cache_capacity=cache_len, geometry=model)
+        a = quant.prepare(row_inputs(row, device=device, generator=g, cache_capacity=cache_len,
+                                     geometry=model))
         reference = qkrope.reference_paged if row.paged else qkrope.reference
         opts = row_options(row, **model.options())  # partial rotary, (1 + w) norms
-        want = written_rows(row, (*reference(*a, inplace=False, **model.options()), a))
-        ok = {name: check(row, a, want, kernel, cfg, opts) for name, cfg, kernel in candidates}
+        kw = quant.call_kwargs(a)
+        want = written_rows(row, (*quant.dequantize(
+            reference(*a, inplace=False, **model.options(), **kw), kw), a))
+        ok = {name: check(row, a, want, kernel, cfg, opts, quant)
+              for name, cfg, kernel in candidates}
         del want
         T = w.tokens if row.paged else w.seq_len
         B = 1 if row.paged else w.batch
@@ -143,23 +166,24 @@ def main() -> None:
             print(f"{row.label} {w.name}: " + "  ".join(
                 f"({name})={status}" for name, status in ok.items()))
             continue
-        q_out, k_out = torch.empty_like(a[0]), torch.empty_like(a[1])
+        q_out, k_out, scales, _ = outputs_of(a, quant)
         runnable = [c for c in candidates if not ok[c[0]].startswith("FAILED")]
         times = {name: [] for name, _, _ in runnable}
         for _ in range(args.rounds):
             for name, cfg, kernel in runnable:
-                def call(cfg=cfg, kernel=kernel):
+                def call(cfg=cfg, kernel=kernel, call_args=launch_args(a, q_out, k_out, opts,
+                                                                       **scales)):
                     with forced(kernel=kernel, config=cfg):
-                        launcher.launch(*launch_args(a, q_out, k_out, opts))
+                        launcher.launch(*call_args)
                 times[name] += cupti_call_times_us(call, flush, iters=args.iters)
         med = sorted((statistics.median(t), name) for name, t in times.items())
-        print(f"#{row.label} {w.name} floor {bytes_moved(w, model) / bw * 1e6:.2f} µs, "
+        print(f"#{row.label} {w.name} floor {quant.bytes_moved(w, model) / bw * 1e6:.2f} µs, "
               f"pick_config {pick}: " + "  ".join(f"({name})={t:.2f}{'' if ok[name] == 'ok' else ' WRONG'}"
                                        for t, name in med)
               + "".join(f"  ({name}) {ok[name]}" for name, _, _ in candidates
                         if name not in times), flush=True)
         log[row.label] = dict(pick=pick, correct=ok, times=times)
-        del a, q_out, k_out
+        del a, q_out, k_out, scales
         torch.cuda.empty_cache()
     if args.json and log:
         with open(args.json, "w") as f:

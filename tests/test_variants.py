@@ -39,3 +39,14 @@ def test_every_variant_applies_to_the_kernel(tmp_path):
 def test_an_unknown_variant_is_refused(tmp_path):
     out = make_trees(tmp_path, "no_such_variant")
     assert out.returncode != 0 and "unknown variant" in out.stderr
+
+
+def test_tile_sweep_checks_a_quantised_mode_after_dequantisation():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "tile_sweep.py"), "--check-only",
+         "--rows", "1:0:1", "--configs", "pick", "--kv-dtype", "int8", "--kv-scales",
+         "per-token-head", "--variants", "production,skeleton"],
+        capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "INT8 caches, per-token-head scales" in out.stdout
+    assert "(pick)=ok" in out.stdout and "(pick/skeleton)=WRONG" in out.stdout, out.stdout
