@@ -110,18 +110,18 @@ _PTH_EARLY_KERNEL = [
          "from .quantize import _store_codes, _store_fp8, _token_head_amax, _token_head_scale_of"),
     Edit(KERNEL, """\
         if K_DYN:  # each row's own scale, stored too (docs/design.md, "Per-token-head scales")
-            k32_lo, k32_hi = k_lo.to(tl.float32), k_hi.to(tl.float32)
+            k32_lo, k32_hi = _f32(k_lo, INTERPRETER), _f32(k_hi, INTERPRETER)
             k_sc, k_r = _token_head_scale(k32_lo, k32_hi, k_cache_ptr)
 """, """        if K_DYN:
-            k32_lo, k32_hi = k_lo.to(tl.float32), k_hi.to(tl.float32)
+            k32_lo, k32_hi = _f32(k_lo, INTERPRETER), _f32(k_hi, INTERPRETER)
             k_amax = _token_head_amax(k32_lo, k32_hi, k_cache_ptr)
         if V_DYN:
-            v32 = v.to(tl.float32)
+            v32 = _f32(v, INTERPRETER)
             v_amax = _token_head_amax(v32, v32, v_cache_ptr)
         if K_DYN:  # each row's own scale, stored too (docs/design.md, "Per-token-head scales")
             k_sc, k_r = _token_head_scale_of(k_amax, k_cache_ptr)
 """),
-    Edit(KERNEL, """            v32 = v.to(tl.float32)
+    Edit(KERNEL, """            v32 = _f32(v, INTERPRETER)
             v_sc, v_r = _token_head_scale(v32, v32, v_cache_ptr)
 """, """            v_sc, v_r = _token_head_scale_of(v_amax, v_cache_ptr)
 """),

@@ -2,7 +2,7 @@
 (instead of returning outputs cut off from the graph), and its in-place writes bump version
 counters as torch's own in-place ops do (a tensor saved for backward and overwritten by the op
 makes that backward raise instead of using stale values). Both entry points, eager (checked and,
-on a GPU, the native fast path) and compiled."""
+on a GPU, the native fast path) and compiled; the FP8 scales and scale caches too."""
 
 import pytest
 import torch
@@ -14,10 +14,10 @@ NAMES = ("query", "key", "value", None, "key_cache", "value_cache", None, "q_nor
          "k_norm_weight", "inv_freq")
 
 
-def _paged(seed):
+def _paged(seed, **case):
     from test_qknorm_rope import PCase, make
 
-    args, kwargs = make(PCase(seed=seed))
+    args, kwargs = make(PCase(seed=seed, **case))
     return args, kwargs
 
 
@@ -45,6 +45,26 @@ def test_paged_entry_point_refuses_autograd_too():
     args = list(args)
     args[0] = args[0].detach().clone().requires_grad_()
     with pytest.raises(RuntimeError, match="query requires grad.*no backward"):
+        qkrope.fused_qk_norm_rope_paged(*args, **kwargs)
+
+
+@pytest.mark.parametrize("name", ["k_scale", "v_scale", "q_scale", "k_scale_cache",
+                                  "v_scale_cache"])
+def test_scales_and_scale_caches_that_require_grad_are_refused(name):
+    fp8 = torch.float8_e4m3fn
+    args, kwargs = _paged(8, T=3, cache_dtype=fp8, per_head_scale=True)
+    device = args[0].device
+    if name.endswith("_cache"):  # per-token-head scales, computed and written by the op
+        del kwargs["k_scale"], kwargs["v_scale"]
+        kwargs.update(k_scale_cache=torch.zeros(args[4].shape[:-1], device=device),
+                      v_scale_cache=torch.zeros(args[5].shape[:-1], device=device))
+    if name == "q_scale":
+        kwargs.update(q_scale=torch.full((1,), 0.05, device=device),
+                      query_out=torch.empty(args[0].shape, dtype=fp8, device=device))
+    kwargs[name] = kwargs[name].detach().clone().requires_grad_()
+    with pytest.raises(RuntimeError, match=f"{name} requires grad.*no backward"):
+        qkrope.fused_qk_norm_rope_paged(*args, **kwargs)
+    with torch.no_grad():                     # nothing to record: runs
         qkrope.fused_qk_norm_rope_paged(*args, **kwargs)
 
 

@@ -119,6 +119,24 @@ def test_bhsd_entry_point_with_scale_caches():
     assert (ksc[:, :, untouched] == POISON).all() and (vsc[:, :, untouched] == POISON).all()
 
 
+@pytest.mark.parametrize("name", ["k_scale_cache", "v_scale_cache"])
+def test_inplace_false_with_a_scale_cache_is_refused_and_writes_nothing(name):
+    # inplace=False copies the caches; the scales of the copies would land in the caller's
+    # scale cache, whose own rows would then read back wrong.
+    args = make_inputs(Case(B=1, Hq=2, Hkv=1, S=2, L=4, seed=12))
+    kc, vc = args[4].to(FP8), args[5].to(FP8)
+    ksc = torch.full(kc.shape[:-1], POISON, device=DEVICE)
+    vsc = torch.full(vc.shape[:-1], POISON, device=DEVICE)
+    before = [t.clone() for t in (kc, vc)]
+    scale_caches = dict(k_scale_cache=ksc, v_scale_cache=vsc) if name == "k_scale_cache" else \
+        dict(v_scale_cache=vsc, k_scale=0.05)
+    with pytest.raises(ValueError, match=f"inplace=False copies the caches but not {name}"):
+        qkrope.run(*args[:4], kc, vc, *args[6:], inplace=False, **scale_caches)
+    assert (ksc == POISON).all() and (vsc == POISON).all()
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+               for a, b in zip((kc, vc), before))
+
+
 def test_zero_nan_inf_and_huge_rows():
     args, kwargs = make(PCase(T=4, Hq=2, Hkv=2, D=64, seed=7))
     v = args[2].clone()

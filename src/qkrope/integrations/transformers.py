@@ -21,7 +21,8 @@ Every rope type of the model's rotary embedding (default, YaRN, LongRoPE, dynami
 is honoured: ``inv_freq`` is read from the rotary module at every call (after its dynamic
 update) and its ``attention_scaling`` becomes the op's ``cos_sin_scale``. The op's rounding
 points are chosen per family to match the stock eager modeling code, so a patched model's
-tokens and cache contents equal the stock eager model's bit for bit.
+tokens and cache contents equal the stock eager model's bit for bit, up to the norm's fp32 sum
+of squares, added in another order (one ulp where that flips a rounding).
 
 Checks happen at patch time: a layer is patched only if the op can run it (head_dim in
 {64, 128, 256, 512}, bf16/fp16 weights on a CUDA device or under Triton's interpreter, the

@@ -84,7 +84,8 @@ def fused_rope_with_qk_norm_and_kv_cache_update(
         rms_norm_eps: RMSNorm epsilon (Python float).
         inplace: True (default) writes the S rows into ``key_cache``/``value_cache`` and returns
             those same tensors: one launch, no cache copy. False leaves them untouched and returns
-            fresh copies with the rows written (costs a full copy of both caches).
+            fresh copies with the rows written (costs a full copy of both caches); refused with
+            ``k_scale_cache``/``v_scale_cache``, which are written in any case.
         query_out, key_out: optional preallocated outputs ([B, Hq, S, D] / [B, Hkv, S, D], any
             strides) for allocation-free calls (CUDA graphs), of ``query``'s dtype,
             ``float8_e4m3fn`` or ``float8_e5m2`` (quantised output, with ``q_scale`` /
@@ -147,6 +148,12 @@ def fused_rope_with_qk_norm_and_kv_cache_update(
                          cache_position, q_norm_weight, k_norm_weight, inv_freq, rms_norm_eps,
                          Options(*opts))
     if not inplace:
+        for name, scale_cache in (("k_scale_cache", k_scale_cache),
+                                  ("v_scale_cache", v_scale_cache)):
+            if scale_cache is not None:  # the copies' scales would land in the caller's
+                raise ValueError(f"inplace=False copies the caches but not {name}, which the "
+                                 f"call writes: pass inplace=True, or copies of the caches and "
+                                 f"of {name}")
         key_cache, value_cache = key_cache.clone(), value_cache.clone()
     query_out, key_out = _checked_call(
         checked, (query, key, value, position_ids, key_cache, value_cache, cache_position,
@@ -254,7 +261,9 @@ def _checked_call(checked: Options, tensors: tuple, scales: tuple, scale_caches:
     if validate:
         rows, scales = _validate(tensors[6], rows_bound, rows_name, scales)
         tensors = (*tensors[:6], rows, *tensors[7:])
-    refuse_autograd(checked.layout, (*tensors, query_out, key_out))
+    refuse_autograd(checked.layout, (*tensors, query_out, key_out),
+                    **dict(zip(_SCALE_NAMES, scales)), k_scale_cache=k_cache_scales,
+                    v_scale_cache=v_cache_scales)
     qknorm_rope(*tensors, *scales, k_cache_scales, v_cache_scales, query_out, key_out,
                 float(rms_norm_eps), options_key(checked))
     return query_out, key_out

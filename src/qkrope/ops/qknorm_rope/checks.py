@@ -439,14 +439,16 @@ _NAMES = {"bhsd": ("query", "key", "value", "position_ids", "key_cache", "value_
                     "key_out")}
 
 
-def refuse_autograd(layout: str, tensors: tuple) -> None:
+def refuse_autograd(layout: str, tensors: tuple, **others) -> None:
     """The op has no backward: refuse what autograd would record rather than return outputs
-    cut off from the graph (wrong, silent gradients). Under torch.compile this runs at trace
-    time, guarded on grad mode and ``requires_grad``."""
+    cut off from the graph (wrong, silent gradients). ``tensors``: the twelve of
+    :data:`_NAMES`; ``others``: the scales and scale caches by name (None where absent). Under
+    torch.compile this runs at trace time, guarded on grad mode and ``requires_grad``."""
     if not torch.is_grad_enabled():
         return
-    for name, t in zip(_NAMES["bhsd" if layout == "bhsd" else "paged"], tensors):
-        if t.requires_grad:
+    named = (*zip(_NAMES["bhsd" if layout == "bhsd" else "paged"], tensors), *others.items())
+    for name, t in named:
+        if t is not None and t.requires_grad:
             raise RuntimeError(
                 f"{name} requires grad, but qkrope's fused op has no backward (autograd): call "
                 f"it under torch.no_grad() / torch.inference_mode(), or pass {name}.detach()")

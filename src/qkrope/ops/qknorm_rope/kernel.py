@@ -71,6 +71,27 @@ def _row_sum(x):
 
 
 @triton.jit
+def _f32(x, INTERPRETER: tl.constexpr):
+    """``x`` (loaded bf16, fp16 or fp32) as fp32. The interpreter's bf16 -> fp32 conversion
+    gets subnormals wrong (docs/design.md, "Interpreter bf16 casts"): there, through the bits."""
+    if INTERPRETER and x.dtype == tl.bfloat16:
+        return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def _cast(x, DT: tl.constexpr, INTERPRETER: tl.constexpr):
+    """fp32 ``x``, already on DT's grid (:func:`_round`), as DT: exact. The interpreter's
+    fp32 -> bf16 conversion gets subnormals wrong: there, the high half of the bits."""
+    if INTERPRETER and DT == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True) >> 16
+        return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(DT)
+
+
+@triton.jit
 def _round(x, DT: tl.constexpr, INTERPRETER: tl.constexpr):
     """Round fp32 ``x`` to ``DT`` (nearest even) and return it as fp32: one rounding point."""
     if INTERPRETER and DT == tl.bfloat16:
@@ -128,15 +149,16 @@ def _cos_sin(angle, DT: tl.constexpr, COS_SIN_SCALE: tl.constexpr, INTERPRETER: 
 
 
 @triton.jit
-def _load_halves(x_ptr, off_lo, off_hi, mask):
+def _load_halves(x_ptr, off_lo, off_hi, mask, INTERPRETER: tl.constexpr):
     """Both halves of a tile of rows at element offsets, upcast to fp32."""
     x1 = tl.load(x_ptr + off_lo, mask=mask, other=0.0)
     x2 = tl.load(x_ptr + off_hi, mask=mask, other=0.0)
-    return x1.to(tl.float32), x2.to(tl.float32)
+    return _f32(x1, INTERPRETER), _f32(x2, INTERPRETER)
 
 
 @triton.jit
-def _load_weight(w_ptr, d, stride_w, W_OFFSET: tl.constexpr, WIDE: tl.constexpr):
+def _load_weight(w_ptr, d, stride_w, W_OFFSET: tl.constexpr, INTERPRETER: tl.constexpr,
+                 WIDE: tl.constexpr):
     """Norm weight at dims ``d`` [N] as fp32 [1, 1, N] (``W_OFFSET + w``: Gemma/Qwen3.5 style).
 
     Callers load the weights with the rows, before any sin/cos work: loaded inside the math
@@ -144,7 +166,7 @@ def _load_weight(w_ptr, d, stride_w, W_OFFSET: tl.constexpr, WIDE: tl.constexpr)
     program."""
     # Indexed in the rows' 3-D shape: a 1-D load expanded afterwards would need a layout
     # conversion through shared memory (a barrier behind the load) before the rows load.
-    w = tl.load(w_ptr + _index(d, WIDE)[None, None, :] * stride_w).to(tl.float32)
+    w = _f32(tl.load(w_ptr + _index(d, WIDE)[None, None, :] * stride_w), INTERPRETER)
     if W_OFFSET != 0.0:
         w = w + W_OFFSET
     return w
@@ -174,8 +196,8 @@ def _neox(n1, n2, cos, sin, DT: tl.constexpr, INTERPRETER: tl.constexpr):
     # would skip the rounding of a product.
     o1 = _round(n1 * cos, DT, INTERPRETER) - _round(n2 * sin, DT, INTERPRETER)
     o2 = _round(n2 * cos, DT, INTERPRETER) + _round(n1 * sin, DT, INTERPRETER)
-    # The final cast is exact once _round has run: the interpreter's truncating cast is safe.
-    return _round(o1, DT, INTERPRETER).to(DT), _round(o2, DT, INTERPRETER).to(DT)
+    return (_cast(_round(o1, DT, INTERPRETER), DT, INTERPRETER),
+            _cast(_round(o2, DT, INTERPRETER), DT, INTERPRETER))
 
 
 @triton.jit
@@ -207,9 +229,9 @@ def _rotate_dims(x, x_ptr, row_off, stride_d, mask, d, w, w_ptr, stride_w, rstd,
     rotary / GPT-J); dims from ``ROT`` on pass through normalised, unrotated."""
     DT = x_ptr.dtype.element_ty
     partner, freq, sign, rotated = _pair_maps(d, ROT, GPTJ)
-    xp = tl.load(x_ptr + row_off + _index(partner, WIDE)[None, None, :] * stride_d, mask=mask,
-                 other=0.0).to(tl.float32)
-    wp = _load_weight(w_ptr, partner, stride_w, W_OFFSET, WIDE)
+    xp = _f32(tl.load(x_ptr + row_off + _index(partner, WIDE)[None, None, :] * stride_d,
+                      mask=mask, other=0.0), INTERPRETER)
+    wp = _load_weight(w_ptr, partner, stride_w, W_OFFSET, INTERPRETER, WIDE)
     n = _normed(x, w, rstd, DT, HF_NORM, INTERPRETER)
     n_p = _normed(xp, wp, rstd, DT, HF_NORM, INTERPRETER)
     R2: tl.constexpr = ROT // 2
@@ -231,13 +253,13 @@ def _rotate_dims(x, x_ptr, row_off, stride_d, mask, d, w, w_ptr, stride_w, rstd,
         cos, sin = _cos_sin(angle[None, :, :], DT, COS_SIN_SCALE, INTERPRETER)
     out = (_round(n * cos, DT, INTERPRETER)
            + sign[None, None, :] * _round(n_p * sin, DT, INTERPRETER))
-    # Exact once rounded: the interpreter's truncating cast is safe.
-    return tl.where(rotated[None, None, :], _round(out, DT, INTERPRETER), n).to(DT)
+    return _cast(tl.where(rotated[None, None, :], _round(out, DT, INTERPRETER), n), DT,
+                 INTERPRETER)
 
 
 @triton.jit
 def _load_tile(x_ptr, row_off, stride_d, mask, w_ptr, stride_w, D: tl.constexpr,
-               W_OFFSET: tl.constexpr, WIDE: tl.constexpr):
+               W_OFFSET: tl.constexpr, INTERPRETER: tl.constexpr, WIDE: tl.constexpr):
     """Norm weights and rows of a [BLOCK_H, BLOCK_T] tile as fp32 halves [.., D/2].
 
     row_off: [BLOCK_H, BLOCK_T, 1] element offsets of the rows. Callers issue every load
@@ -246,10 +268,11 @@ def _load_tile(x_ptr, row_off, stride_d, mask, w_ptr, stride_w, D: tl.constexpr,
     HALF: tl.constexpr = D // 2
     d_lo = tl.arange(0, HALF)
     d_hi = d_lo + HALF
-    w_lo = _load_weight(w_ptr, d_lo, stride_w, W_OFFSET, WIDE)
-    w_hi = _load_weight(w_ptr, d_hi, stride_w, W_OFFSET, WIDE)
+    w_lo = _load_weight(w_ptr, d_lo, stride_w, W_OFFSET, INTERPRETER, WIDE)
+    w_hi = _load_weight(w_ptr, d_hi, stride_w, W_OFFSET, INTERPRETER, WIDE)
     x_lo, x_hi = _load_halves(x_ptr, row_off + _index(d_lo, WIDE)[None, None, :] * stride_d,
-                              row_off + _index(d_hi, WIDE)[None, None, :] * stride_d, mask)
+                              row_off + _index(d_hi, WIDE)[None, None, :] * stride_d, mask,
+                              INTERPRETER)
     return w_lo, w_hi, x_lo, x_hi
 
 
@@ -292,7 +315,7 @@ def _norm_rope_tile(x_lo, x_hi, w_lo, w_hi, x_ptr, row_off, stride_d, mask, w_pt
         if not GPTJ and ROT <= HALF:
             # NeoX pairs of a partial rotary (Qwen3.5: 64 of 256 dims) all lie in the low
             # half: the high half is only normalised (no partner loads, no trig).
-            hi = _normed(x_hi, w_hi, rstd, DT, HF_NORM, INTERPRETER).to(DT)
+            hi = _cast(_normed(x_hi, w_hi, rstd, DT, HF_NORM, INTERPRETER), DT, INTERPRETER)
         else:
             hi = _rotate_dims(x_hi, x_ptr, row_off, stride_d, mask, d_hi, w_hi, w_ptr,
                               stride_w, rstd, pos_ptr, pos_off, t_mask, inv_freq_ptr,
@@ -323,7 +346,7 @@ def _store_scaled(out_ptr, off, vals, mask, scale, SCALED: tl.constexpr,
         # to 2 ulp off, which can tip a rounding): the head's reciprocal, then per element one
         # FMA correction instead of a div_rn each (docs/design.md, "FP8 stores"). A quotient of
         # +-0 keeps q0 (the sign), as do +-inf and NaN. The interpreter has no fused FMA.
-        x = vals.to(tl.float32)
+        x = _f32(vals, INTERPRETER)
         if INTERPRETER:
             q = tl.math.div_rn(x, scale)
         else:
@@ -405,7 +428,7 @@ def qknorm_rope_kernel(
         hq_i = _index(hq, WIDE)
         q_row = b * stride_q_b + hq_i * stride_q_h + t3 * stride_q_t
         qw_lo, qw_hi, qx_lo, qx_hi = _load_tile(q_ptr, q_row, stride_q_d, q_mask, q_w_ptr,
-                                                stride_q_w, D, W_OFFSET, WIDE)
+                                                stride_q_w, D, W_OFFSET, INTERPRETER, WIDE)
         q_sc = _static_scale(q_scale_ptr, hq, Hq, stride_q_scale, QO_SCALED, WIDE)
         q_lo, q_hi = _norm_rope_tile(
             qx_lo, qx_hi, qw_lo, qw_hi, q_ptr, q_row, stride_q_d, q_mask, q_w_ptr, stride_q_w,
@@ -423,7 +446,7 @@ def qknorm_rope_kernel(
         hk_i = _index(hk, WIDE)
         k_row = b * stride_k_b + hk_i * stride_k_h + t3 * stride_k_t
         kw_lo, kw_hi, kx_lo, kx_hi = _load_tile(k_ptr, k_row, stride_k_d, k_mask, k_w_ptr,
-                                                stride_k_w, D, W_OFFSET, WIDE)
+                                                stride_k_w, D, W_OFFSET, INTERPRETER, WIDE)
         d_full = _index(tl.arange(0, D), WIDE)[None, None, :]
         v = tl.load(v_ptr + b * stride_v_b + hk_i * stride_v_h + t3 * stride_v_t
                     + d_full * stride_v_d, mask=k_mask, other=0.0)
@@ -452,7 +475,7 @@ def qknorm_rope_kernel(
         vc_row = _cache_row(row3, b, hk_i, block_size, stride_vc_b, stride_vc_blk,
                             stride_vc_row, stride_vc_h, PAGED)
         if K_DYN:  # each row's own scale, stored too (docs/design.md, "Per-token-head scales")
-            k32_lo, k32_hi = k_lo.to(tl.float32), k_hi.to(tl.float32)
+            k32_lo, k32_hi = _f32(k_lo, INTERPRETER), _f32(k_hi, INTERPRETER)
             k_sc, k_r = _token_head_scale(k32_lo, k32_hi, k_cache_ptr)
             _store_codes(k_cache_ptr, kc_row + d_lo * stride_kc_d, k32_lo * k_r, row_mask,
                          INTERPRETER, SAT_CVT)
@@ -467,7 +490,7 @@ def qknorm_rope_kernel(
             _store_scaled(k_cache_ptr, kc_row + d_hi * stride_kc_d, k_hi, row_mask, kc_sc,
                           K_SCALED, INTERPRETER, SAT_CVT)
         if V_DYN:
-            v32 = v.to(tl.float32)
+            v32 = _f32(v, INTERPRETER)
             v_sc, v_r = _token_head_scale(v32, v32, v_cache_ptr)
             _store_codes(v_cache_ptr, vc_row + d_full * stride_vc_d, v32 * v_r, row_mask,
                          INTERPRETER, SAT_CVT)

@@ -27,7 +27,8 @@ happens below):
   into the row's scale (:func:`quantize_token_head`).
 
 By default both return fresh caches (as the public benchmark's reference does) and leave their
-arguments untouched; ``inplace=True`` writes the given caches.
+arguments untouched; ``inplace=True`` writes the given caches. Scale caches (R5) are written in
+place either way (the op refuses ``inplace=False`` with them).
 """
 
 from __future__ import annotations
