@@ -761,6 +761,78 @@ def test_input_gradients_of_a_frozen_model_equal_stock():
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_trainable_module_set_in_after_patch_keeps_its_gradients(compiled):
+    # An adapter / new q_proj attached after patch: the patch-time parameters do not know it,
+    # so the patched layer checks the op's own inputs (a graph-cut result would lose q_proj's
+    # gradient without a word).
+    model = _tiny_qwen3(seed=13)
+    model.requires_grad_(False)
+    ids = _prompt(1)["input_ids"]
+    patch(model)
+    torch.manual_seed(1)
+    q_proj = torch.nn.Linear(TEXT["hidden_size"], 128, bias=False).to(DEVICE, torch.bfloat16)
+    model.model.layers[0].self_attn.q_proj = q_proj
+
+    def backward():  # stock is compared in the same mode
+        forward = torch.compile(model, backend="eager") if compiled else model
+        try:
+            forward(ids).logits.float().square().sum().backward()
+        finally:
+            torch._dynamo.reset()
+
+    with pytest.warns(FallbackWarning, match="autograd is recording"):
+        backward()
+    got = q_proj.weight.grad
+    q_proj.weight.grad = None
+    unpatch(model)
+    backward()
+    assert got is not None and torch.equal(got, q_proj.weight.grad)
+
+
+def test_a_norm_epsilon_changed_after_patch_takes_the_stock_forward():
+    model = _tiny_qwen3(seed=14)
+    ids = _prompt(1)["input_ids"]
+    patch(model)
+    for layer in model.model.layers:
+        layer.self_attn.q_norm.variance_epsilon = layer.self_attn.k_norm.variance_epsilon = 1e-2
+    with torch.no_grad():
+        with pytest.warns(FallbackWarning, match="epsilon changed after patch"):
+            got = model(ids).logits
+        unpatch(model)
+        want = model(ids).logits
+    assert torch.equal(got, want)
+
+
+def test_eager_attention_and_its_weights_equal_stock(op_calls):
+    # attn_implementation="eager" (what output_attentions needs): the modeling file's eager
+    # attention function, which the patched class carries.
+    model = _tiny_qwen3(seed=15, attn_implementation="eager")
+    ids = _prompt(1)["input_ids"]
+    with torch.no_grad():
+        want = model(ids, output_attentions=True)
+        patch(model)
+        got = model(ids, output_attentions=True)
+    assert len(op_calls) == 2 and torch.equal(got.logits, want.logits)
+    assert all(torch.equal(a, b) for a, b in zip(got.attentions, want.attentions))
+
+
+def test_patch_again_after_the_rotary_embedding_is_replaced_fuses_again(op_calls):
+    model = _tiny_qwen3(seed=16)
+    ids = _prompt(1)["input_ids"]
+    patch(model)
+    model.model.rotary_emb = type(model.model.rotary_emb).__mro__[1](model.config).to(DEVICE)
+    with torch.no_grad():
+        with pytest.warns(FallbackWarning, match="rotary embedding has not run"):
+            model(ids)              # the new rotary is not hooked: every layer falls back
+        assert not op_calls and patch(model) == 2
+        got = model(ids).logits     # hooked again: fused
+        assert len(op_calls) == 2
+        unpatch(model)
+        want = model(ids).logits
+    assert torch.equal(got, want)
+
+
 def test_cache_comes_from_the_stock_keyword_only():
     # A cache under the keyword the installed transformers' layers do not read (``cache=``
     # before 5.24: the stock layers ignore it and the model builds its own DynamicCache, and

@@ -30,8 +30,11 @@ family's own RMSNorm on q and k with one epsilon, a rotary width the family allo
 every other layer keeps its stock forward and ``patch`` warns once per reason
 (:class:`FallbackWarning`). At call time a patched layer falls back to its stock forward, with
 a one-time warning per reason, when it is training or autograd is recording (the op has no
-backward), when its ``position_embeddings`` were not computed by the model's rotary embedding
-in this forward, or when the op rejects the call; it never raises on the op's behalf.
+backward; judged on its input, its parameters and, for modules set in after patch, the op's
+own inputs), when its ``position_embeddings`` were not computed by the model's rotary embedding
+in this forward, when a q/k norm's epsilon is no longer the one of patch time, or when the op
+rejects the call; it never raises on the op's behalf. ``patch`` again after replacing the
+rotary embedding hooks the new one.
 
 Caches: with a ``StaticCache`` of plain ``StaticLayer`` s (``cache_implementation="static"``),
 which holds [B, Hkv, max_cache_len, D] tensors written at a running offset (exactly the op's
@@ -132,6 +135,9 @@ class _Static(NamedTuple):
     rotary_dim: int = 0
     cos_sin_scale: float = 0.0
     op_options: str = ""
+    # Where the family's norms keep their epsilon, read at every call (a user may change it;
+    # a layer pickled by an older qkrope has none: not checked).
+    eps_attr: str = ""
 
 
 #: Every patched layer's constants, by its key (``_qkrope_key``). Under torch.compile a layer's
@@ -225,9 +231,10 @@ def _layer_options(m, family: _Family, rotary) -> tuple[str | None, dict]:
                                  section, section is not None), D)
     except (TypeError, ValueError) as err:
         return f"the op refuses its options: {err}", {}
+    eps_attr = "variance_epsilon" if hasattr(m.q_norm, "variance_epsilon") else "eps"
     return None, dict(gated=family.gated, norm_rounding=rounding, norm_weight_offset=offset,
                       mrope_section=section, eps=eps, rotary_dim=2 * half,
-                      cos_sin_scale=float(scale), op_options=key)
+                      cos_sin_scale=float(scale), op_options=key, eps_attr=eps_attr)
 
 
 def _text_rotaries(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
@@ -308,8 +315,9 @@ def _qkrope_class(base: type, role: str) -> type:
                  "__doc__": base.__doc__, "_qkrope_base": base, "_qkrope_role": role,
                  "__reduce_ex__": _reduce_ex, "__setstate__": _setstate}
         if role == "attention":
-            attrs.update(forward=_fused_forward, _qkrope_eager_attention=sys.modules[
-                base.__module__].eager_attention_forward)
+            # (a staticmethod: read through the instance, a plain function would bind self)
+            attrs.update(forward=_fused_forward, _qkrope_eager_attention=staticmethod(
+                sys.modules[base.__module__].eager_attention_forward))
         else:
             attrs.update(forward=_rotary_forward)
         cls = _CLASSES[base, role] = type(base.__name__, (base,), attrs)
@@ -353,7 +361,8 @@ def patch(model: torch.nn.Module) -> int:
 
     Patch after moving the model to its device and dtype: layers the op cannot run (see the
     module docstring) keep their stock forward, with one :class:`FallbackWarning` per reason.
-    Idempotent; undo with :func:`unpatch`.
+    Idempotent (a layer whose rotary embedding was replaced since is patched anew); undo with
+    :func:`unpatch`.
 
     Returns:
         The number of attention layers that run the fused prologue after the call.
@@ -370,10 +379,13 @@ def patch(model: torch.nn.Module) -> int:
     skipped: dict[str, int] = {}
     patched = 0
     for m in attention:
-        if is_patched(m):
-            patched += 1
-            continue
         rotary = rotaries.get(id(m))
+        if is_patched(m):
+            if rotary is not None and m._qkrope_rotary_state is rotary.__dict__.get(
+                    "_qkrope_state"):
+                patched += 1
+                continue
+            _unpatch_layer(m)  # its rotary embedding was replaced: patched anew
         reason, options = _layer_options(m, SUPPORTED_ATTENTION[type(m).__name__], rotary)
         if reason is not None:
             skipped[reason] = skipped.get(reason, 0) + 1
@@ -401,13 +413,17 @@ def unpatch(model: torch.nn.Module) -> int:
     n = 0
     for m in model.modules():
         if is_patched(m):
-            _restore_class(m)
-            del m._qkrope_key, m._qkrope_params, m._qkrope_rotary_state
+            _unpatch_layer(m)
             n += 1
         if "_qkrope_state" in m.__dict__:
             _restore_class(m)
             del m._qkrope_state
     return n
+
+
+def _unpatch_layer(m: torch.nn.Module) -> None:
+    _restore_class(m)
+    del m._qkrope_key, m._qkrope_params, m._qkrope_rotary_state
 
 
 def is_patched(module: torch.nn.Module) -> bool:
@@ -428,14 +444,23 @@ def unpatch_qwen3(model: torch.nn.Module) -> int:
 # --------------------------------------------------------------------------------------------
 # call time
 # --------------------------------------------------------------------------------------------
-def _call_reason(self, state: dict, hidden_states, position_embeddings) -> str | None:
+_AUTOGRAD = "autograd is recording (the op has no backward; use torch.no_grad())"
+
+
+def _call_reason(self, static: _Static, state: dict, hidden_states,
+                 position_embeddings) -> str | None:
     """Why this call must take the stock forward (cheap checks, no device sync), or None.
     ``state``: what the rotary embedding left in this forward."""
     if self.training:
         return "the module is training (the op has no backward, and no dropout)"
+    # The parameters of patch time: a module or parameter set in later (an adapter) is caught
+    # by the check of the op's own inputs in _fused_forward.
     if torch.is_grad_enabled() and (hidden_states.requires_grad or any(
             p.requires_grad for p in self._qkrope_params)):
-        return "autograd is recording (the op has no backward; use torch.no_grad())"
+        return _AUTOGRAD
+    if static.eps_attr and (getattr(self.q_norm, static.eps_attr) != static.eps or
+                            getattr(self.k_norm, static.eps_attr) != static.eps):
+        return "the q_norm / k_norm epsilon changed after patch (patch again to fuse)"
     if "positions" not in state:
         return "the model's rotary embedding has not run (no positions for this forward)"
     if position_embeddings is None or position_embeddings[0] is not state["cos"]:
@@ -456,7 +481,7 @@ def _fused_forward(self, hidden_states, position_embeddings=None, attention_mask
     if static.clears_state:  # the last layer: a copy to read, the state emptied
         state = dict(state)
         self._qkrope_rotary_state.clear()
-    reason = _call_reason(self, state, hidden_states, position_embeddings)
+    reason = _call_reason(self, static, state, hidden_states, position_embeddings)
     if reason is not None:
         return _stock(self, static, reason, hidden_states, position_embeddings, attention_mask,
                       cache, kwargs)
@@ -474,6 +499,11 @@ def _fused_forward(self, hidden_states, position_embeddings=None, attention_mask
     query = query.transpose(1, 2)
     key = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
     value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or
+                                    value.requires_grad or self.q_norm.weight.requires_grad or
+                                    self.k_norm.weight.requires_grad):
+        return _stock(self, static, _AUTOGRAD, hidden_states, position_embeddings,
+                      attention_mask, cache, kwargs)
 
     try:
         query, key, keys, values = _prologue(self, static, state, query, key, value, cache)
