@@ -219,6 +219,17 @@ def test_static_and_dynamic_scales_are_exclusive_per_cache():
                                         v_scale_cache=torch.zeros(vc.shape[:-1], device=DEVICE))
 
 
+def test_vllm_views_take_a_typed_cache_s_own_dtype_and_refuse_a_contradiction():
+    for dtype in (torch.int8, FP8):
+        kv = torch.zeros(2, 2, 4, 2 * (64 + 4), dtype=dtype)
+        assert all(v.dtype == dtype for v in qkrope.vllm_per_token_head_views(kv, 64)[:2])
+        other = FP8 if dtype == torch.int8 else torch.int8
+        with pytest.raises(ValueError, match="dtype .* contradicts kv_cache's own dtype"):
+            qkrope.vllm_per_token_head_views(kv, 64, other)
+    kv = torch.zeros(2, 2, 4, 2 * (64 + 4), dtype=torch.uint8)  # vLLM's bytes: FP8 by default
+    assert qkrope.vllm_per_token_head_views(kv, 64)[0].dtype == FP8
+
+
 def test_vllm_views_refuse_a_cache_of_another_shape():
     with pytest.raises(ValueError, match="2 \\(head_size \\+ 4\\)"):
         qkrope.vllm_per_token_head_views(torch.zeros(2, 2, 4, 128, dtype=torch.uint8), 64)

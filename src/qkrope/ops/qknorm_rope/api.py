@@ -22,7 +22,7 @@ import torch
 
 from .checks import (
     ACTIVATION_DTYPES, FP32_MAX, FP32_TINY, Options, check_bhsd, check_out, check_paged,
-    check_scales, head_count, refuse_autograd, scalar_on, tensor_arg,
+    check_scales, dtype_name, head_count, refuse_autograd, scalar_on, tensor_arg,
 )
 from .launcher import LAUNCHER
 from .registration import options_key, qknorm_rope
@@ -210,6 +210,8 @@ def fused_qk_norm_rope_paged(
             ``b * L + row``.
         slot_mapping: [T] int32/int64; token t goes to block ``slot // block_size``, offset
             ``slot % block_size``. Slots < 0 (CUDA-graph padding) or past the cache are skipped.
+            A slot named twice ends up holding one of its tokens' values per element, unspecified
+            which (as ``cache_position``'s repeated rows).
         q_norm_weight, k_norm_weight, inv_freq, rms_norm_eps, rotary_style, rotary_dim,
         norm_weight_offset, norm_rounding, cos_sin_scale, mrope_section, mrope_interleaved,
         k_scale, v_scale, q_scale, k_scale_cache, v_scale_cache: as in
@@ -352,10 +354,12 @@ def _split(qkv: torch.Tensor, num_q_heads, num_kv_heads, d: int, d_name: str):
 
 
 def vllm_per_token_head_views(kv_cache: torch.Tensor, head_size: int,
-                              dtype: torch.dtype = torch.float8_e4m3fn):
+                              dtype: torch.dtype | None = None):
     """Views of one layer of vLLM's ``fp8_per_token_head`` (``dtype=torch.int8``:
     ``int8_per_token_head``) KV cache for :func:`fused_qk_norm_rope_paged`
     (``cache_layout="NHD"``): ``(key_cache, value_cache, k_scale_cache, v_scale_cache)``.
+    ``dtype`` None: the cache's own dtype where it is int8 or float8_e4m3fn, float8_e4m3fn for
+    uint8; a ``dtype`` that contradicts an int8 / float8 cache is refused.
 
     ``kv_cache``: vLLM's per-layer tensor, logical shape [num_blocks, Hkv, block_size,
     2 (D + 4)] of a 1-byte dtype, any physical order with the last dim contiguous; each (slot,
@@ -364,8 +368,13 @@ def vllm_per_token_head_views(kv_cache: torch.Tensor, head_size: int,
     the rows [num_blocks, block_size, Hkv, D] as ``dtype`` and the float32 scales
     [num_blocks, block_size, Hkv], views into ``kv_cache`` (no copy)."""
     tensor_arg("kv_cache", kv_cache, 4, (torch.uint8, torch.int8, torch.float8_e4m3fn))
+    if dtype is None:
+        dtype = torch.float8_e4m3fn if kv_cache.dtype == torch.uint8 else kv_cache.dtype
     if dtype not in (torch.float8_e4m3fn, torch.int8):
         raise TypeError(f"dtype must be torch.float8_e4m3fn or torch.int8, got {dtype}")
+    if kv_cache.dtype != torch.uint8 and dtype != kv_cache.dtype:
+        raise ValueError(f"dtype {dtype_name(dtype)} contradicts kv_cache's own dtype "
+                         f"{dtype_name(kv_cache.dtype)} (a cache's codes are read as its dtype)")
     d = head_count("head_size", head_size)
     if d % 4 or kv_cache.shape[-1] != 2 * (d + 4):
         raise ValueError(f"kv_cache must have shape [num_blocks, Hkv, block_size, 2 (head_size "
