@@ -443,10 +443,10 @@ def test_default_allocation_and_no_mutation_mode():
 
 
 def _within_ulps(got, want, ulps):
-    """Same bits, or (a flip of one rounding upstream) at most ``ulps`` steps of the bf16/fp16
-    grid apart with the same sign; NaN nowhere."""
+    """Equal (+0 and -0 alike), or (a flip of one rounding upstream) at most ``ulps`` steps of
+    the bf16/fp16 grid apart with the same sign; NaN nowhere."""
     a, b = got.view(torch.int16).int(), want.view(torch.int16).int()
-    return not torch.isnan(got).any() and bool(((a - b).abs() <= ulps).all())
+    return not torch.isnan(got).any() and bool(((got == want) | ((a - b).abs() <= ulps)).all())
 
 
 @pytest.mark.parametrize("options", [{}, dict(norm_rounding="hf"),

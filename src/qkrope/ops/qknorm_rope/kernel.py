@@ -350,9 +350,15 @@ def _store_scaled(out_ptr, off, vals, mask, scale, SCALED: tl.constexpr,
         if INTERPRETER:
             q = tl.math.div_rn(x, scale)
         else:
-            r = tl.math.div_rn(1.0, scale)
+            # A subnormal scale's reciprocal overflows: its head divides x * 2**64 by
+            # scale * 2**64 instead (both exact; an x that overflows saturates either way).
+            m = tl.where((scale > 0.0) & (scale < 1.1754943508222875e-38), 18446744073709551616.0,
+                         1.0)
+            s = scale * m
+            x = x * m
+            r = tl.math.div_rn(1.0, s)
             q0 = x * r
-            q1 = tl.fma(tl.fma(-q0, scale, x), r, q0)
+            q1 = tl.fma(tl.fma(-q0, s, x), r, q0)
             q = tl.where(tl.abs(q1) > 0.0, q1, q0)
         _store_fp8(out_ptr, off, q, mask, INTERPRETER, SAT_CVT)
     else:
