@@ -14,8 +14,9 @@ Every text to replace must occur exactly once (``every``: at least once), so a k
 breaks a variant loudly instead of silently timing the production kernel
 (tests/test_variants.py). Variants that were adopted or refuted (rstd_first, two_q_heads,
 trig_first_single_row; the eviction hints of docs/design.md §Tile rule: commit bdd73a8;
-partial_rotary_freqs, fma_division, satfinite_store, fp8_stores: adopted, in git before the
-commit that adopted them) are in git history. What each variant measured: docs/design.md.
+partial_rotary_freqs, fma_division, satfinite_store, fp8_stores, pth_amax_max, int8_no_clamp,
+pth_lean, pth_early, pth_lean_early: adopted, in git before the commit that adopted them) are in
+git history. What each variant measured: docs/design.md.
 
     python benchmarks/variants.py /tmp/v [NAME ...]     # writes /tmp/v/<name>/src, prints it
 """
@@ -59,114 +60,6 @@ _NO_TRIG = [Edit(KERNEL, "cos = libdevice.cos(angle)", "cos = angle * 0.0 + 1.0"
 _TRIG_HW = [Edit(KERNEL, "cos = libdevice.cos(angle)", "cos = libdevice.fast_cosf(angle)"),
             Edit(KERNEL, "sin = libdevice.sin(angle)", "sin = libdevice.fast_sinf(angle)")]
 
-# Per-token-head scales with the max instructions handling NaN (docs/perf-notes.md, lead 6 d):
-# the row maximum's combine (max.f32 on a GPU, fmax in the interpreter) skips a NaN (fp8: no
-# select per element before the amax), a NaN-propagating one (max.NaN.f32) keeps it (int8: the
-# row's NaN flag is its amax, one reduction fewer).
-_PTH_AMAX_MAX = [
-    Edit(QUANTIZE, """@triton.jit
-def _token_head_scale(""", """@triton.jit
-def _max_nan(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
-def _token_head_scale("""),
-    Edit(QUANTIZE, """    amax = tl.maximum(_row_max(tl.where(x_lo != x_lo, 0.0, tl.abs(x_lo))),
-                      _row_max(tl.where(x_hi != x_hi, 0.0, tl.abs(x_hi))))
-    if out_ptr.dtype.element_ty == tl.int8:
-        s = tl.maximum(tl.math.div_rn(amax, 127.0), 1e-6)
-        nan = tl.maximum(_row_max(tl.where(x_lo != x_lo, 1.0, 0.0)),
-                         _row_max(tl.where(x_hi != x_hi, 1.0, 0.0)))
-        stored = tl.where(nan > 0, float("nan"), s)
-    else:
-        s = tl.maximum(tl.math.div_rn(amax, 448.0), 1e-6)
-""", """    if out_ptr.dtype.element_ty == tl.int8:
-        amax = tl.maximum(tl.reduce(tl.abs(x_lo), 2, _max_nan)[:, :, None],
-                          tl.reduce(tl.abs(x_hi), 2, _max_nan)[:, :, None],
-                          propagate_nan=tl.PropagateNan.ALL)
-        s = tl.maximum(tl.math.div_rn(amax, 127.0), 1e-6)
-        stored = tl.where(amax != amax, float("nan"), s)
-    else:
-        amax = tl.maximum(_row_max(tl.abs(x_lo)), _row_max(tl.abs(x_hi)))
-        amax = tl.where(amax != amax, 0.0, amax)  # an all-NaN row: one select per row
-        s = tl.maximum(tl.math.div_rn(amax, 448.0), 1e-6)
-"""),
-]
-
-# INT8 codes without the clamp to [-128, 127]: from a per-token-head scale |y| < 127.00003, so
-# trunc(y +- 0.5) is in [-127, 127] already (docs/perf-notes.md, lead 6 c).
-_INT8_NO_CLAMP = [Edit(
-    QUANTIZE, """        z = tl.minimum(tl.maximum(tl.where(y >= 0, y + 0.5, y - 0.5), -128.0), 127.0)""",
-    """        z = tl.where(y >= 0, y + 0.5, y - 0.5)""")]
-
-# Per-token-head scales with every row reduction of K and V before the first division
-# (docs/perf-notes.md, lead 6 e): ``div_rn``'s slow-path branch ends a basic block, and ptxas
-# schedules within one, so in production K's amax, K's division, K's NaN flag, V's amax, V's
-# division... run one after another (row 1's one-warp programs: 5 shuffle rounds each). Here
-# the amax of K and of V (an int8 row's NaN carried in it) come first and interleave.
-_PTH_EARLY_KERNEL = [
-    Edit(KERNEL, "from .quantize import _store_codes, _store_fp8, _token_head_scale",
-         "from .quantize import _store_codes, _store_fp8, _token_head_amax, _token_head_scale_of"),
-    Edit(KERNEL, """\
-        if K_DYN:  # each row's own scale, stored too (docs/design.md, "Per-token-head scales")
-            k32_lo, k32_hi = _f32(k_lo, INTERPRETER), _f32(k_hi, INTERPRETER)
-            k_sc, k_r = _token_head_scale(k32_lo, k32_hi, k_cache_ptr)
-""", """        if K_DYN:
-            k32_lo, k32_hi = _f32(k_lo, INTERPRETER), _f32(k_hi, INTERPRETER)
-            k_amax = _token_head_amax(k32_lo, k32_hi, k_cache_ptr)
-        if V_DYN:
-            v32 = _f32(v, INTERPRETER)
-            v_amax = _token_head_amax(v32, v32, v_cache_ptr)
-        if K_DYN:  # each row's own scale, stored too (docs/design.md, "Per-token-head scales")
-            k_sc, k_r = _token_head_scale_of(k_amax, k_cache_ptr)
-"""),
-    Edit(KERNEL, """            v32 = _f32(v, INTERPRETER)
-            v_sc, v_r = _token_head_scale(v32, v32, v_cache_ptr)
-""", """            v_sc, v_r = _token_head_scale_of(v_amax, v_cache_ptr)
-"""),
-]
-_SCALE_RETURN = "    return stored, tl.math.div_rn(1.0, stored)\n"
-_SCALE_OF = '''
-
-@triton.jit
-def _token_head_scale_of(amax, out_ptr):
-    """_token_head_scale's divisions, from _token_head_amax's row maximum."""
-    if out_ptr.dtype.element_ty == tl.int8:
-        s = tl.maximum(tl.math.div_rn(amax, 127.0), 1e-6)
-        stored = tl.where(amax != amax, float("nan"), s)
-    else:
-        stored = tl.maximum(tl.math.div_rn(amax, 448.0), 1e-6)
-    return stored, tl.math.div_rn(1.0, stored)
-'''
-_PTH_EARLY = _PTH_EARLY_KERNEL + [Edit(QUANTIZE, _SCALE_RETURN, _SCALE_RETURN + '''
-
-@triton.jit
-def _token_head_amax(x_lo, x_hi, out_ptr):
-    """_token_head_scale's row reductions alone; an int8 row holding a NaN: amax NaN."""
-    amax = tl.maximum(_row_max(tl.where(x_lo != x_lo, 0.0, tl.abs(x_lo))),
-                      _row_max(tl.where(x_hi != x_hi, 0.0, tl.abs(x_hi))))
-    if out_ptr.dtype.element_ty == tl.int8:
-        nan = tl.maximum(_row_max(tl.where(x_lo != x_lo, 1.0, 0.0)),
-                         _row_max(tl.where(x_hi != x_hi, 1.0, 0.0)))
-        amax = tl.where(nan > 0, float("nan"), amax)
-    return amax
-''' + _SCALE_OF)]
-# The same on pth_lean's quantize.py (its int8 amax carries a row's NaN already).
-_PTH_LEAN_EARLY = _PTH_AMAX_MAX + _INT8_NO_CLAMP + _PTH_EARLY_KERNEL + [
-    Edit(QUANTIZE, _SCALE_RETURN, _SCALE_RETURN + '''
-
-@triton.jit
-def _token_head_amax(x_lo, x_hi, out_ptr):
-    """_token_head_scale's row reductions alone; an int8 row holding a NaN: amax NaN."""
-    if out_ptr.dtype.element_ty == tl.int8:
-        return tl.maximum(tl.reduce(tl.abs(x_lo), 2, _max_nan)[:, :, None],
-                          tl.reduce(tl.abs(x_hi), 2, _max_nan)[:, :, None],
-                          propagate_nan=tl.PropagateNan.ALL)
-    amax = tl.maximum(_row_max(tl.abs(x_lo)), _row_max(tl.abs(x_hi)))
-    return tl.where(amax != amax, 0.0, amax)  # an all-NaN row: one select per row
-''' + _SCALE_OF)]
-
 #: name -> (what it probes, edits).
 VARIANTS: dict[str, tuple[str, list[Edit]]] = {
     "skeleton": ("loads and stores only, no norm, rotation or trig: a lower bound for this "
@@ -175,14 +68,6 @@ VARIANTS: dict[str, tuple[str, list[Edit]]] = {
                 "costs (wrong results by design)", _NO_TRIG),
     "trig_hw": ("libdevice's fast_cosf/fast_sinf (MUFU approximations) instead of the accurate "
                 "cos/sin: cost probe, wrong at large angles", _TRIG_HW),
-    "pth_amax_max": ("per-token-head amax with NaN handled by max.f32 / max.NaN.f32: no "
-                     "select per element, int8's NaN flag reduction gone",
-                     _PTH_AMAX_MAX),
-    "int8_no_clamp": ("int8 codes without the dead clamp to [-128, 127]", _INT8_NO_CLAMP),
-    "pth_lean": ("pth_amax_max and int8_no_clamp together", _PTH_AMAX_MAX + _INT8_NO_CLAMP),
-    "pth_early": ("per-token-head: K's and V's row reductions before the first division",
-                  _PTH_EARLY),
-    "pth_lean_early": ("pth_lean and pth_early together", _PTH_LEAN_EARLY),
     "int32_addressing": ("every int64 conversion made int32: what int64 offsets cost (wrong "
                          "past 2**31 elements by design)",
                          [Edit(KERNEL, ".to(tl.int64)", ".to(tl.int32)", every=True)]),

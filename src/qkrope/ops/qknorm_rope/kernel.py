@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .quantize import _store_codes, _store_fp8, _token_head_scale
+from .quantize import _store_codes, _store_fp8, _token_head_amax, _token_head_scale
 
 
 @triton.jit
@@ -480,9 +480,16 @@ def qknorm_rope_kernel(
                             stride_kc_row, stride_kc_h, PAGED)
         vc_row = _cache_row(row3, b, hk_i, block_size, stride_vc_b, stride_vc_blk,
                             stride_vc_row, stride_vc_h, PAGED)
-        if K_DYN:  # each row's own scale, stored too (docs/design.md, "Per-token-head scales")
+        # Each row's own scale, stored too (docs/design.md, "Per-token-head scales"): both
+        # rows' reductions first, so their shuffles interleave before the first division.
+        if K_DYN:
             k32_lo, k32_hi = _f32(k_lo, INTERPRETER), _f32(k_hi, INTERPRETER)
-            k_sc, k_r = _token_head_scale(k32_lo, k32_hi, k_cache_ptr)
+            k_amax = _token_head_amax(k32_lo, k32_hi, k_cache_ptr)
+        if V_DYN:
+            v32 = _f32(v, INTERPRETER)
+            v_amax = _token_head_amax(v32, v32, v_cache_ptr)
+        if K_DYN:
+            k_sc, k_r = _token_head_scale(k_amax, k_cache_ptr)
             _store_codes(k_cache_ptr, kc_row + d_lo * stride_kc_d, k32_lo * k_r, row_mask,
                          INTERPRETER, SAT_CVT)
             _store_codes(k_cache_ptr, kc_row + d_hi * stride_kc_d, k32_hi * k_r, row_mask,
@@ -496,8 +503,7 @@ def qknorm_rope_kernel(
             _store_scaled(k_cache_ptr, kc_row + d_hi * stride_kc_d, k_hi, row_mask, kc_sc,
                           K_SCALED, INTERPRETER, SAT_CVT)
         if V_DYN:
-            v32 = _f32(v, INTERPRETER)
-            v_sc, v_r = _token_head_scale(v32, v32, v_cache_ptr)
+            v_sc, v_r = _token_head_scale(v_amax, v_cache_ptr)
             _store_codes(v_cache_ptr, vc_row + d_full * stride_vc_d, v32 * v_r, row_mask,
                          INTERPRETER, SAT_CVT)
             tl.store(v_scale_cache_ptr + _cache_row(row3, b, hk_i, block_size, stride_vsc_b,

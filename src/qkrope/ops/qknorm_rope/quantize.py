@@ -65,11 +65,13 @@ def _store_fp8(out_ptr, off, v, mask, INTERPRETER: tl.constexpr, SAT_CVT: tl.con
 
 @triton.jit
 def _store_codes(out_ptr, off, y, mask, INTERPRETER: tl.constexpr, SAT_CVT: tl.constexpr):
-    """Store fp32 ``y`` (a row already divided by its scale) as the codes of ``out_ptr``'s
-    dtype: e4m3 (:func:`_store_fp8`), or int8 rounded half away from zero and saturated to
-    [-128, 127] (vLLM's ``int8_per_token_head``; a NaN stored as 0: its row's scale is NaN)."""
+    """Store fp32 ``y`` (a row already multiplied by its scale's reciprocal) as the codes of
+    ``out_ptr``'s dtype: e4m3 (:func:`_store_fp8`), or int8 rounded half away from zero (vLLM's
+    ``int8_per_token_head``; a NaN stored as 0: its row's scale is NaN). vLLM's clamp to
+    [-128, 127] never acts on a per-token-head row (|y| < 127.00003, so ``y +- 0.5`` truncates
+    into [-127, 127]; docs/design.md, "Per-token-head scales"): left out."""
     if out_ptr.dtype.element_ty == tl.int8:
-        z = tl.minimum(tl.maximum(tl.where(y >= 0, y + 0.5, y - 0.5), -128.0), 127.0)
+        z = tl.where(y >= 0, y + 0.5, y - 0.5)
         z = tl.where(y != y, 0.0, z)  # before the truncating conversion, which NaN would break
         tl.store(out_ptr + off, z.to(tl.int32).to(tl.int8), mask=mask)
     else:
@@ -83,20 +85,36 @@ def _row_max(x):
 
 
 @triton.jit
-def _token_head_scale(x_lo, x_hi, out_ptr):
-    """A written row's scale and its reciprocal, from its fp32 halves (a V row passes itself
-    twice): ``s = max(amax(|x|) / Q, 1e-6)``, NaN not counted, Q = 448 for e4m3, 127 for int8,
-    as vLLM's per-token-head writer; an int8 row holding a NaN gets scale NaN (int8 has no NaN
-    code: the row reads back as NaN, never as in-range data), and so does the reciprocal its
-    codes are made with: every code of that row 0."""
-    amax = tl.maximum(_row_max(tl.where(x_lo != x_lo, 0.0, tl.abs(x_lo))),
-                      _row_max(tl.where(x_hi != x_hi, 0.0, tl.abs(x_hi))))
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _token_head_amax(x_lo, x_hi, out_ptr):
+    """The amax over D of a written row from its fp32 halves (a V row passes itself twice),
+    NaN not counted: the row maximum's own combine skips NaN (max.f32; an all-NaN row gives
+    NaN, made 0 by one select per row). An int8 row holding a NaN gets amax NaN instead (a
+    NaN-propagating maximum: no second reduction for a NaN flag). Separate from
+    :func:`_token_head_scale` so the kernel runs K's and V's reductions before either division
+    (docs/design.md, "Per-token-head scales")."""
+    if out_ptr.dtype.element_ty == tl.int8:
+        return tl.maximum(tl.reduce(tl.abs(x_lo), 2, _max_nan)[:, :, None],
+                          tl.reduce(tl.abs(x_hi), 2, _max_nan)[:, :, None],
+                          propagate_nan=tl.PropagateNan.ALL)
+    amax = tl.maximum(_row_max(tl.abs(x_lo)), _row_max(tl.abs(x_hi)))
+    return tl.where(amax != amax, 0.0, amax)
+
+
+@triton.jit
+def _token_head_scale(amax, out_ptr):
+    """A written row's scale and its reciprocal from :func:`_token_head_amax`:
+    ``s = max(amax / Q, 1e-6)``, Q = 448 for e4m3, 127 for int8, as vLLM's per-token-head
+    writer; an int8 row holding a NaN gets scale NaN (int8 has no NaN code: the row reads back
+    as NaN, never as in-range data), and so does the reciprocal its codes are made with: every
+    code of that row 0."""
     if out_ptr.dtype.element_ty == tl.int8:
         s = tl.maximum(tl.math.div_rn(amax, 127.0), 1e-6)
-        nan = tl.maximum(_row_max(tl.where(x_lo != x_lo, 1.0, 0.0)),
-                         _row_max(tl.where(x_hi != x_hi, 1.0, 0.0)))
-        stored = tl.where(nan > 0, float("nan"), s)
+        stored = tl.where(amax != amax, float("nan"), s)
     else:
-        s = tl.maximum(tl.math.div_rn(amax, 448.0), 1e-6)
-        stored = s
+        stored = tl.maximum(tl.math.div_rn(amax, 448.0), 1e-6)
     return stored, tl.math.div_rn(1.0, stored)
