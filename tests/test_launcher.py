@@ -5,6 +5,7 @@ Triton's own launch got, and only for the argument signature its plan was built 
 import struct
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from helpers import Case, make_inputs
@@ -219,6 +220,39 @@ def test_new_signature_takes_the_checked_path(fake, name):
         op(*args[:10], -1.0, **kwargs)
     op(*args, **{**kwargs, "rotary_style": "gptj" if name == "bhsd" else "neox"})
     assert len(jit.launches) == 3, "options are part of the signature"
+
+
+@pytest.mark.parametrize("change, error, words", [
+    (dict(mrope_interleaved=1), TypeError, "mrope_interleaved"),
+    (dict(mrope_interleaved=np.bool_(True)), TypeError, "mrope_interleaved"),
+    (dict(rotary_dim=64.0), (TypeError, ValueError), "rotary_dim"),
+    (dict(rotary_dim=np.int64(64)), (TypeError, ValueError), "rotary_dim"),
+    (dict(cos_sin_scale=True), TypeError, "cos_sin_scale"),
+    (dict(norm_weight_offset=False), TypeError, "norm_weight_offset"),
+], ids=["interleaved_int", "interleaved_numpy", "rotary_dim_float", "rotary_dim_numpy",
+        "scale_bool", "offset_bool"])
+def test_an_option_equal_to_a_plans_but_of_another_type_meets_the_checks(fake, change, error,
+                                                                          words):
+    # A plan is found by ==: True == 1 == 1.0 and numpy scalars hash alike, so without a type
+    # test a warm plan would run what the checks refuse.
+    jit, runs = fake
+    op, args, kwargs = CALLS["bhsd-mrope"]()
+    op(*args, **kwargs)
+    op(*args, **kwargs)
+    assert len(runs) == 1
+    with pytest.raises(error, match=words):
+        op(*args, **{**kwargs, **change})
+    assert len(runs) == 1 and len(jit.launches) == 1
+
+
+def test_bhsd_tensors_given_to_the_paged_entry_point_meet_its_checks(fake):
+    jit, runs = fake
+    op, args, kwargs = CALLS["bhsd"]()
+    op(*args, **kwargs)
+    op(*args, **kwargs)
+    with pytest.raises(ValueError, match="query must have rank 3"):
+        qkrope.fused_qk_norm_rope_paged(*args, cache_layout="bhsd", **kwargs)
+    assert len(runs) == 1
 
 
 def test_allocated_outputs_match_the_checked_path(fake):

@@ -135,7 +135,7 @@ def fused_rope_with_qk_norm_and_kv_cache_update(
     """
     opts = _fast_key("bhsd", rotary_style, rotary_dim, norm_weight_offset, norm_rounding,
                      cos_sin_scale, mrope_section, mrope_interleaved, query)
-    if inplace and not validate and not torch.compiler.is_compiling() and (
+    if inplace and not validate and not torch.compiler.is_compiling() and _plain(opts) and (
             scales := _NO_SCALES if k_scale is None and v_scale is None and q_scale is None
             else _fast_scales((k_scale, v_scale, q_scale), query)) is not None:
         out = LAUNCHER.fast_call(opts, (query, key, value, position_ids, key_cache, value_cache,
@@ -229,7 +229,8 @@ def fused_qk_norm_rope_paged(
     """
     opts = _fast_key(cache_layout, rotary_style, rotary_dim, norm_weight_offset, norm_rounding,
                      cos_sin_scale, mrope_section, mrope_interleaved, query)
-    if not validate and not torch.compiler.is_compiling() and (
+    if not validate and not torch.compiler.is_compiling() and cache_layout in _PAGED and \
+            _plain(opts) and (
             scales := _NO_SCALES if k_scale is None and v_scale is None and q_scale is None
             else _fast_scales((k_scale, v_scale, q_scale), query)) is not None:
         out = LAUNCHER.fast_call(opts, (query, key, value, positions, key_cache, value_cache,
@@ -282,6 +283,21 @@ def _fast_key(layout, rotary_style, rotary_dim, norm_weight_offset, norm_roundin
         mrope_section = tuple(mrope_section)
     return (layout, rotary_style, rotary_dim, norm_weight_offset, norm_rounding, cos_sin_scale,
             mrope_section, mrope_interleaved)
+
+
+_PAGED = ("NHD", "HND")
+_NUMBER = (int, float)
+
+
+def _plain(opts: tuple) -> bool:
+    """Whether ``opts`` (:func:`_fast_key`) have the types the checks make canonical, so a plan
+    found by them is the one the checks would pick: a value that only compares equal (True for
+    1.0, 1 for True, numpy scalars) goes to the checks, which name its type."""
+    _, style, rotary_dim, offset, rounding, scale, section, interleaved = opts
+    return (type(style) is str and type(rounding) is str and type(rotary_dim) is int and
+            type(offset) in _NUMBER and type(scale) in _NUMBER and type(interleaved) is bool and
+            (section is None or (type(section) is tuple and all(type(x) is int
+                                                                for x in section))))
 
 
 _NO_SCALES = (None, None, None)
