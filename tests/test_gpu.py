@@ -175,3 +175,33 @@ def test_cuda_graph_decode_loop_matches_eager():
     written[30:30 + steps] = True
     assert (kc[:, :, written] != kc0[:, :, written]).any(dim=-1).all(), "a replay missed its row"
     assert torch.equal(kc[:, :, ~written], kc0[:, :, ~written])
+
+
+def test_a_float_scale_first_seen_in_a_capture_is_right_in_eager_calls_and_replays():
+    # A Python-float scale becomes a cached device tensor; one first made inside a CUDA-graph
+    # capture is the capture's own (its fill runs only at replays), so it must not be cached for
+    # eager calls, and a cached one must never be evicted from under a graph that reads it.
+    from test_qknorm_rope import PCase, make
+
+    args, kwargs = make(PCase(T=4, cache_dtype=torch.float8_e4m3fn, seed=21))
+    scale = 0.0173  # a value no other test uses: first seen below, in the capture
+    kwargs.update(k_scale=0.02, v_scale=0.02)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up: the kernel and its plan, outside the capture
+        qkrope.fused_qk_norm_rope_paged(*args, **kwargs)
+    torch.cuda.current_stream().wait_stream(s)
+    kwargs.update(k_scale=scale, v_scale=scale)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        qkrope.fused_qk_norm_rope_paged(*args, **kwargs)
+    kc, vc = args[4], args[5]
+    kc.zero_(), vc.zero_()
+    want = qkrope.reference_paged(*args, **kwargs)
+    qkrope.fused_qk_norm_rope_paged(*args, **kwargs)  # eager, after the capture
+    torch.cuda.synchronize()
+    assert torch.equal(vc.view(torch.uint8), want[3].view(torch.uint8))
+    kc.zero_(), vc.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(vc.view(torch.uint8), want[3].view(torch.uint8))

@@ -190,3 +190,20 @@ def test_validate_keeps_int32_rows_of_a_cache_beyond_2_31_rows():
     with pytest.raises(ValueError, match=r"cache_position holds -1, outside the cache "
                                          r"\[0, 2147483664\)"):
         call(args, validate=True)
+
+
+def test_float_scale_tensors_are_kept_per_value_and_never_evicted(monkeypatch):
+    # A CUDA graph that captured a cached scale tensor reads it at every replay: the cache
+    # must not drop it (it had been an LRU of 64); past its size, tensors are made per call.
+    from qkrope.ops.qknorm_rope import checks
+
+    monkeypatch.setattr(checks, "_SCALARS", {})  # (the process's own cache stays as it was)
+    dev = torch.device("cpu")
+    first = checks.scalar_on(0.03125, dev)
+    for i in range(checks._SCALARS_MAX + 8):
+        checks.scalar_on(1.0 + i / 1024, dev)
+    assert checks.scalar_on(0.03125, dev) is first and first.item() == 0.03125
+    assert len(checks._SCALARS) <= checks._SCALARS_MAX
+    late = 3.0 + checks._SCALARS_MAX
+    assert checks.scalar_on(late, dev) is not checks.scalar_on(late, dev)
+    assert checks.scalar_on(late, dev).item() == late

@@ -9,7 +9,6 @@ same overlap rules natively); ``launcher.py`` checks nothing.
 
 from __future__ import annotations
 
-import functools
 import math
 import numbers
 import operator
@@ -278,9 +277,22 @@ def check_scales(query, key, key_cache, value_cache, query_out, key_out, scales:
         (k_cache_scales, v_cache_scales)
 
 
-@functools.lru_cache(maxsize=64)
+_SCALARS: dict = {}
+_SCALARS_MAX = 256
+
+
 def scalar_on(value: float, device: torch.device) -> torch.Tensor:
-    return torch.full((1,), value, dtype=torch.float32, device=device)
+    """``value`` as a float32 [1] tensor on ``device``, kept per value and device (a Python
+    float scale costs no allocation per call). Never evicted: a CUDA graph that captured one
+    reads it at every replay. One made during a capture is the capture's own (filled at every
+    replay), and past the cache's size one is made per call: neither is kept."""
+    t = _SCALARS.get((value, device))
+    if t is None:
+        t = torch.full((1,), value, dtype=torch.float32, device=device)
+        if len(_SCALARS) < _SCALARS_MAX and not (
+                device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _SCALARS[value, device] = t
+    return t
 
 
 def _check_common(query, key, value, key_cache, value_cache, q_norm_weight, k_norm_weight,
