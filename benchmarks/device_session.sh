@@ -127,9 +127,10 @@ case "${1:-tests}" in
     rev=${2:?usage: device_session.sh variants REV NAME...}; shift 2
     python3 benchmarks/kernel_ab.py --rev "$rev" ${@/#/--variant=} --rounds 3 --iters 40 \
       --json "$OUT/kernel-ab-variants.json" 2>&1 | tee "$OUT/kernel-ab-variants.md" ;;
-  variants-quant) # docs/perf-notes.md, leads 6 d-f: the per-token-head GPU tests on the last
-    # variant's tree, then tile_sweep per mode (bf16 outputs first, for the ratio): production
-    # and each variant at pick_config's tile and at narrower K/V tiles, alternating in one process
+  variants-quant) # quantised-store variants (benchmarks/variants.py): the per-token-head GPU
+    # tests on the last variant's tree, then tile_sweep per mode (bf16 outputs first, for the
+    # ratio): production and each variant at pick_config's tile and at narrower K/V tiles
+    # (docs/perf-notes.md, lead 6 f), alternating in one process
     shift; python3 benchmarks/variants.py /tmp/v "$@" || exit 1
     last=${!#}
     PYTHONPATH=/tmp/v/$last/src${PYTHONPATH:+:$PYTHONPATH} timeout 200 python3 -m pytest -q \

@@ -160,8 +160,14 @@ def _warn_call_once(reason: str) -> None:
 # --------------------------------------------------------------------------------------------
 # patch time
 # --------------------------------------------------------------------------------------------
+def _eps_attr(norm) -> str:
+    """Where a family's RMSNorm keeps its epsilon (Qwen3: ``variance_epsilon``; Qwen3.5 and
+    Qwen3-Next: ``eps``)."""
+    return "variance_epsilon" if hasattr(norm, "variance_epsilon") else "eps"
+
+
 def _norm_eps(norm) -> float | None:
-    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    eps = getattr(norm, _eps_attr(norm), None)
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not math.isfinite(eps) \
             or eps < 0:
         return None
@@ -231,10 +237,9 @@ def _layer_options(m, family: _Family, rotary) -> tuple[str | None, dict]:
                                  section, section is not None), D)
     except (TypeError, ValueError) as err:
         return f"the op refuses its options: {err}", {}
-    eps_attr = "variance_epsilon" if hasattr(m.q_norm, "variance_epsilon") else "eps"
     return None, dict(gated=family.gated, norm_rounding=rounding, norm_weight_offset=offset,
                       mrope_section=section, eps=eps, rotary_dim=2 * half,
-                      cos_sin_scale=float(scale), op_options=key, eps_attr=eps_attr)
+                      cos_sin_scale=float(scale), op_options=key, eps_attr=_eps_attr(m.q_norm))
 
 
 def _text_rotaries(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
