@@ -131,6 +131,28 @@ def test_a_direct_call_of_the_registered_op_is_checked_when_traced():
     assert all(torch.equal(a, b) for a, b in zip((*outs, args[4], args[5]), want))
 
 
+def test_a_direct_eager_call_of_the_registered_op_is_checked():
+    # torch.ops.qkrope.qknorm_rope called directly, not compiled (as an engine calls its
+    # registered ops): the public functions' checks run before the launch. Without them a
+    # cache of too few heads was written out of bounds (heap corruption on the CPU).
+    args = list(make_inputs(Case(S=3, seed=7)))
+    outs = (torch.empty_like(args[0]), torch.empty_like(args[1]))
+    key = options_key(Options(rotary_dim=args[0].shape[-1]))
+    direct = torch.ops.qkrope.qknorm_rope
+    for i, bad, words in ((4, args[4][:, :1].clone(), "key_cache must have shape"),
+                          (5, args[5].to(torch.float16), "value_cache must be"),
+                          (9, args[9][:-1], "inv_freq must have shape"),
+                          (7, args[7].detach().requires_grad_(), "q_norm_weight requires grad")):
+        kc, vc = args[4].clone(), args[5].clone()
+        call = (*args[:i], bad, *args[i + 1:10])
+        with pytest.raises((TypeError, ValueError, RuntimeError), match=words):
+            direct(*call, *NO_SCALES, *outs, args[10], key)
+        assert torch.equal(args[4], kc) and torch.equal(args[5], vc), "a refused call wrote"
+    want = _eager_call(op, args)
+    direct(*args[:10], *NO_SCALES, *outs, args[10], key)
+    assert all(torch.equal(a, b) for a, b in zip((*outs, args[4], args[5]), want))
+
+
 def test_eager_path_does_not_use_the_dispatcher(monkeypatch):
     # Eager calls must not pay for the custom op: make the dispatcher's entry fail.
     class Refuse:

@@ -34,7 +34,8 @@ _LIBRARY = torch.library.Library("qkrope", "FRAGMENT")
 
 
 def custom_op(name: str, body: Callable, mutates_args: tuple[str, ...],
-              launcher=None, fake: Callable | None = None) -> Callable:
+              launcher=None, fake: Callable | None = None,
+              eager: Callable | None = None) -> Callable:
     """Register ``body`` (a fully annotated function returning None) as
     ``torch.ops.qkrope.<name>`` with ``fake`` (``body``'s arguments, returns None; runs once
     per call site when torch.compile traces it, on fake tensors: the place for checks of
@@ -44,7 +45,9 @@ def custom_op(name: str, body: Callable, mutates_args: tuple[str, ...],
     compiling. ``mutates_args``: the arguments ``body`` writes. ``launcher``: the
     ``KernelLauncher`` whose plans ``body`` remembers (under the options string, its last
     argument); the op's schema is then the launcher's pointer arguments, its scalars, and that
-    string, and the launcher serves the op natively (module docstring)."""
+    string, and the launcher serves the op natively (module docstring). ``eager``: what the
+    returned function runs when eager, where that differs from ``body`` (the public functions
+    checked the arguments that ``body``, reached directly through the dispatcher, checks)."""
 
     schema = torch.library.infer_schema(body, mutates_args=mutates_args)
     for op in (name, name + "_checked") if launcher is not None else (name,):
@@ -59,8 +62,9 @@ def custom_op(name: str, body: Callable, mutates_args: tuple[str, ...],
     def call(*args):
         if torch.compiler.is_compiling():
             return dispatched(*args)
-        return body(*args)
+        return run(*args)
 
+    run = eager or body
     call.__name__ = call.__qualname__ = name
     call.__doc__ = body.__doc__
     return call

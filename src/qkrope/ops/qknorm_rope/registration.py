@@ -19,6 +19,7 @@ import torch
 from .._custom_op import custom_op
 from .checks import (
     Options, check_bhsd, check_options, check_out, check_overlap, check_paged, check_scales,
+    refuse_autograd,
 )
 from .launcher import LAUNCHER, launch
 
@@ -46,23 +47,42 @@ def _qknorm_rope(
     rms_norm_eps: float,
     options: str,
 ) -> None:
-    """Checked arguments of either entry point, the canonical options as one string
-    (:func:`options_key`); writes ``query_out``, ``key_out`` and the cache rows, and bumps
-    their version counters."""
+    """The registered op's kernel: writes ``query_out``, ``key_out`` and the cache rows, and
+    bumps their version counters; ``options``: the canonical options as one string
+    (:func:`options_key`). A call that reaches it (``torch.ops.qkrope.qknorm_rope`` called
+    directly in eager, or the native op route handing over a call it has no plan for) gets the
+    public functions' checks before a launch of a signature not seen yet: a direct caller's
+    wrong shape is refused, never launched out of bounds."""
+    _run((query, key, value, positions, key_cache, value_cache, slots, q_norm_weight,
+          k_norm_weight, inv_freq, k_scale, v_scale, q_scale, k_scale_cache, v_scale_cache),
+         query_out, key_out, rms_norm_eps, options, checked=False)
+
+
+def _checked_by_caller(*args) -> None:
+    """The op's body for the public functions' eager calls, whose arguments they checked."""
+    _run(args[:15], *args[15:], checked=True)
+
+
+def _run(inputs: tuple, query_out, key_out, rms_norm_eps: float, options: str,
+         checked: bool) -> None:
     opts = _options(options)
-    inputs = (query, key, value, positions, key_cache, value_cache, slots, q_norm_weight,
-              k_norm_weight, inv_freq, k_scale, v_scale, q_scale, k_scale_cache,
-              v_scale_cache)
-    if LAUNCHER.fast_call(opts, inputs, (query_out, key_out), (rms_norm_eps,)) is None:
-        # The fast path runs the overlap rules natively; a checked launch runs them here.
-        check_overlap(opts.layout, (*inputs[:10], query_out, key_out), k_scale, v_scale,
-                      q_scale, k_scale_cache, v_scale_cache)
-        launched = launch(*inputs, query_out, key_out, rms_norm_eps, opts)
-        LAUNCHER.remember(opts, inputs, (query_out, key_out), launched, query.get_device(),
-                          op_options=options)
-        torch._C._increment_version(tuple(t for t in (key_cache, value_cache, k_scale_cache,
-                                                      v_scale_cache, query_out, key_out)
-                                          if t is not None))
+    if LAUNCHER.fast_call(opts, inputs, (query_out, key_out), (rms_norm_eps,)) is not None:
+        return
+    k_scale, v_scale, q_scale, k_scale_cache, v_scale_cache = inputs[10:]
+    if not checked:
+        _traced_checks(*inputs, query_out, key_out, rms_norm_eps, options)
+        refuse_autograd(opts.layout, (*inputs[:10], query_out, key_out),
+                        **dict(zip(("k_scale", "v_scale", "q_scale", "k_scale_cache",
+                                    "v_scale_cache"), inputs[10:])))
+    # The fast path runs the overlap rules natively; a checked launch runs them here.
+    check_overlap(opts.layout, (*inputs[:10], query_out, key_out), k_scale, v_scale, q_scale,
+                  k_scale_cache, v_scale_cache)
+    launched = launch(*inputs, query_out, key_out, rms_norm_eps, opts)
+    LAUNCHER.remember(opts, inputs, (query_out, key_out), launched, inputs[0].get_device(),
+                      op_options=options)
+    torch._C._increment_version(tuple(t for t in (inputs[4], inputs[5], k_scale_cache,
+                                                  v_scale_cache, query_out, key_out)
+                                      if t is not None))
 
 
 def _traced_checks(query, key, value, positions, key_cache, value_cache, slots, q_norm_weight,
@@ -105,4 +125,4 @@ def _options(key: str) -> Options:
 qknorm_rope = custom_op("qknorm_rope", _qknorm_rope,
                         mutates_args=("key_cache", "value_cache", "k_scale_cache",
                                       "v_scale_cache", "query_out", "key_out"),
-                        launcher=LAUNCHER, fake=_traced_checks)
+                        launcher=LAUNCHER, fake=_traced_checks, eager=_checked_by_caller)
