@@ -89,6 +89,24 @@ def test_fast_launch_path_is_used_and_respects_specialization():
     assert plans() == n + 1
 
 
+def test_a_negative_bit_view_of_a_planned_signature_is_refused():
+    # A negative-bit view has the sizes and strides of the plain tensor, so the same plan key:
+    # the fast path must not launch it (its memory holds the negated values).
+    from qkrope.ops.qknorm_rope.launcher import LAUNCHER
+
+    args = make_inputs(Case(B=2, Hq=8, Hkv=2, S=9, D=128, L=64, start=40), device="cuda")
+    LAUNCHER.clear_plans()
+    run_and_check(args)
+    run_and_check(args)  # the plan is made and used
+    for i, name in ((1, "key"), (4, "key_cache")):
+        call = list(args)
+        call[i] = torch._neg_view(args[i].neg() if i == 1 else args[i])
+        cache = args[4].clone()
+        with pytest.raises(ValueError, match=f"{name} is a negative-bit view"):
+            qkrope.run(*call)
+        assert torch.equal(args[4], cache), "a refused call wrote the cache"
+
+
 def test_native_launch_plans_are_used_and_exact():
     """Once the native helpers are built, plans launch through them (cuLaunchKernel from C++)
     under the same rule; also from a thread that never used CUDA (the launcher makes the

@@ -267,6 +267,10 @@ def bad(**changes):
     (dict(key_cache=lambda x: x.to(torch.float8_e4m3fn),
           value_cache=lambda x: x.to(torch.float8_e4m3fn), k_scale=0.5, v_scale=1e-46),
      ValueError, ["v_scale", "float32", "is 0"]),
+    # Negative-bit views read as the negation of the memory the kernel addresses.
+    (dict(key=lambda x: torch._neg_view(x.neg())), ValueError, ["key is a negative-bit view"]),
+    (dict(value_cache=lambda x: torch._neg_view(x)), ValueError,
+     ["value_cache is a negative-bit view", "resolve_neg"]),
     # mrope_interleaved alone would silently run plain RoPE.
     (dict(mrope_interleaved=True), ValueError, ["mrope_interleaved=True needs mrope_section"]),
 ])

@@ -9,8 +9,8 @@
 // function of shapes and strides, not of addresses, so the memory-overlap rule (../_overlap.py,
 // `rules` names the written arguments) runs here on every call. Anything but a plain
 // torch.Tensor / nn.Parameter (a subclass, a non-tensor), a tensor without strides, a tensor that
-// requires grad while grad mode is on, or a written tensor that may overlap another argument
-// gives None: the checked path handles (or names) it.
+// requires grad while grad mode is on, a negative-bit view, or a written tensor that may overlap
+// another argument gives None: the checked path handles (or names) it.
 
 #include <dlfcn.h>
 
@@ -179,6 +179,8 @@ bool disjoint(const char* rules, Py_ssize_t len, const View* views, Py_ssize_t n
 bool pack_tensor(const at::Tensor& t, int64_t* buf, size_t& n, size_t cap, View& view) {
   // The ops have no backward: the checked path refuses what autograd would record.
   if (t.requires_grad() && at::GradMode::is_enabled()) return false;
+  // A negative-bit view reads as the negation of its memory: the checked path refuses it.
+  if (t.is_neg()) return false;
   const int64_t nd = t.dim();
   if (n + 6 + 2 * static_cast<size_t>(nd) > cap) return false;
   auto sizes = t.sizes();

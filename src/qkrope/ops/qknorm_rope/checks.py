@@ -70,6 +70,7 @@ def tensor_arg(name: str, x, rank: int | tuple[int, ...], dtypes) -> torch.Tenso
     if type(x) not in PLAIN_TENSORS and hasattr(x, "to_local"):
         raise TypeError(f"{name} is a {type(x).__name__}; pass this rank's tensor "
                         f"({name}.to_local())")
+    _refuse_negative_view(name, x)
     ranks = (rank,) if isinstance(rank, int) else rank
     if x.dim() not in ranks:
         want = " or ".join(str(r) for r in ranks)
@@ -78,6 +79,17 @@ def tensor_arg(name: str, x, rank: int | tuple[int, ...], dtypes) -> torch.Tenso
         want = " or ".join(dtype_name(d) for d in dtypes)
         raise TypeError(f"{name} must be {want}, got {dtype_name(x.dtype)}")
     return x
+
+
+def _refuse_negative_view(name: str, x: torch.Tensor) -> None:
+    """A view with torch's negative bit (``torch._neg_view``, the imaginary part of a conjugate
+    complex32 tensor) reads as the negation of the memory the kernel addresses: its values, or
+    what a caller reads back from an output, would be negated, silently. (Not while
+    torch.compile traces: Dynamo cannot trace ``is_neg``, and the graph's inputs reach the op
+    resolved.)"""
+    if not torch.compiler.is_compiling() and x.is_neg():
+        raise ValueError(f"{name} is a negative-bit view (its memory holds the negated values); "
+                         f"pass {name}.resolve_neg()")
 
 
 def _shape(name: str, x: torch.Tensor, expected: tuple[int, ...], what: str) -> None:
@@ -426,6 +438,7 @@ def check_out(name: str, out, like: torch.Tensor) -> None:
     dtype or FP8 (quantised output: its scale is checked with the scales)."""
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor or None, got {type(out).__name__}")
+    _refuse_negative_view(name, out)
     if tuple(out.shape) != tuple(like.shape):
         raise ValueError(f"{name} must have shape {list(like.shape)}, got {list(out.shape)}")
     if out.dtype != like.dtype and out.dtype not in FP8_CACHE_DTYPES:
