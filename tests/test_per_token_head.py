@@ -163,6 +163,28 @@ def test_zero_nan_inf_and_huge_rows():
     assert vsc[0, 2, 0] == torch.tensor(1e-6) and (vc[0, 2, 0].view(torch.uint8) == 0x7F).all()
 
 
+@pytest.mark.parametrize("dtype, snan", [(torch.bfloat16, 0x7FA0), (torch.float16, 0x7D00)],
+                         ids=["bf16", "fp16"])
+def test_a_signalling_nan_is_not_counted_in_the_amax(dtype, snan):
+    # A signalling NaN (quiet bit clear) anywhere in a V row: like a quiet one, it is left out
+    # of the row's amax. The interpreter's max counted it at some positions (a scale of 1e-6 or
+    # of a partial max: codes saturated).
+    args, kwargs = make(PCase(T=4, Hq=2, Hkv=2, D=64, dtype=dtype, seed=8))
+    v = args[2].clone()
+    v[:, :, 0] = 448.0
+    for t, pos in enumerate((5, 61, 63, 62)):
+        v.view(torch.int16)[t, t % 2, pos] = snan
+    slots = torch.arange(4, device=DEVICE, dtype=args[6].dtype)
+    kc, vc = args[4].to(FP8), args[5].to(FP8)
+    ksc = torch.full(kc.shape[:-1], POISON, device=DEVICE)
+    vsc = torch.full(vc.shape[:-1], POISON, device=DEVICE)
+    call = (*args[:2], v, args[3], kc, vc, slots, *args[7:])
+    qkrope.fused_qk_norm_rope_paged(*call, **kwargs, k_scale_cache=ksc, v_scale_cache=vsc)
+    codes, scales = quantize_token_head(v, FP8)
+    assert torch.equal(vsc[0, :4], scales) and (scales == 1.0).all()
+    assert torch.equal(vc[0, :4].view(torch.uint8), codes.view(torch.uint8))
+
+
 def test_scale_caches_under_torch_compile_equal_eager():
     args, kwargs = make(PCase(T=5, seed=8))
     out = []
