@@ -63,6 +63,13 @@ def _checked_by_caller(*args) -> None:
     _run(args[:15], *args[15:], checked=True)
 
 
+#: What the checks of a direct call judge (types, shapes, strides, dtypes, devices, autograd,
+#: the options and epsilon) for calls already checked: off the native route a compiled graph
+#: calls the op through the dispatcher at every step, and this key costs a third of the checks
+#: (docs/design.md, "Eager bypass").
+_CHECKED: dict = {}
+
+
 def _run(inputs: tuple, query_out, key_out, rms_norm_eps: float, options: str,
          checked: bool) -> None:
     opts = _options(options)
@@ -70,10 +77,18 @@ def _run(inputs: tuple, query_out, key_out, rms_norm_eps: float, options: str,
         return
     k_scale, v_scale, q_scale, k_scale_cache, v_scale_cache = inputs[10:]
     if not checked:
-        _traced_checks(*inputs, query_out, key_out, rms_norm_eps, options)
-        refuse_autograd(opts.layout, (*inputs[:10], query_out, key_out),
-                        **dict(zip(("k_scale", "v_scale", "q_scale", "k_scale_cache",
-                                    "v_scale_cache"), inputs[10:])))
+        key = (options, rms_norm_eps, torch.is_grad_enabled(), *(
+            None if t is None else
+            (type(t), t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t.is_neg())
+            for t in (*inputs, query_out, key_out)))
+        if key not in _CHECKED:
+            _traced_checks(*inputs, query_out, key_out, rms_norm_eps, options)
+            refuse_autograd(opts.layout, (*inputs[:10], query_out, key_out),
+                            **dict(zip(("k_scale", "v_scale", "q_scale", "k_scale_cache",
+                                        "v_scale_cache"), inputs[10:])))
+            if len(_CHECKED) >= 256:
+                _CHECKED.clear()
+            _CHECKED[key] = None
     # The fast path runs the overlap rules natively; a checked launch runs them here.
     check_overlap(opts.layout, (*inputs[:10], query_out, key_out), k_scale, v_scale, q_scale,
                   k_scale_cache, v_scale_cache)
