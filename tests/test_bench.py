@@ -212,6 +212,87 @@ def test_cli_exits_one_on_a_wrong_qkrope_result(monkeypatch, capsys):
     assert "FAIL (98.0%)" in capsys.readouterr().out
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path of the CLI")
+@pytest.mark.parametrize("wrong, says", [
+    # a cache left unreturned (and unwritten): the rule would skip a None
+    (lambda q, k, kc, vc, a: (q, k, None, None), "key_cache_out is NoneType"),
+    # fp32 outputs of an extra dim: the rule compares in fp32 and would broadcast
+    (lambda q, k, kc, vc, a: (q.float()[None], k, kc, vc), "query_rotated is torch.float32"),
+    # the rotated rows written over the caller's query
+    (lambda q, k, kc, vc, a: (a[0].copy_(q), k, kc, vc), "changed its input argument 0"),
+])
+def test_the_bench_gate_refuses_malformed_outputs_and_changed_inputs(monkeypatch, capsys,
+                                                                      wrong, says):
+    from qkrope.bench import impls
+    from qkrope.ops.qknorm_rope.reference import qknorm_rope_cache_ref
+
+    def impl(*args):
+        return wrong(*qknorm_rope_cache_ref(*args, inplace=True), args)
+
+    monkeypatch.setitem(impls.IMPLS, "qkrope", impls.Impl("qkrope", "wrong", lambda: impl))
+    assert main(["bench", "--shape", "3,1,2", "--model", "qwen3-0.6b"]) == 1
+    assert says in capsys.readouterr().out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path of the bench")
+def test_every_round_of_fresh_inputs_is_checked(monkeypatch):
+    # spec.md §2: 10 rounds of fresh random inputs per workload (1 through the interpreter by
+    # default); an implementation wrong only on its third call fails the workload.
+    from qkrope.bench import impls
+    from qkrope.bench.runner import run_benchmark
+    from qkrope.ops.qknorm_rope.reference import qknorm_rope_cache_ref
+    from qkrope.suite import MODELS, Workload
+
+    calls = []
+
+    def late(*args):
+        calls.append(1)
+        q, k, kc, vc = qknorm_rope_cache_ref(*args, inplace=True)
+        return (q + 1 if len(calls) == 3 else q), k, kc, vc
+
+    monkeypatch.setitem(impls.IMPLS, "qkrope", impls.Impl("qkrope", "late", lambda: late))
+    w = Workload(2, 1, 1, 1e-5)
+    report = run_benchmark([w], MODELS["qwen3-0.6b"], check_rounds=3)
+    assert len(calls) == 3 and report.settings["check_rounds"] == 3
+    assert report.workloads[0].impls["qkrope"].correct is False
+    calls.clear()
+    assert run_benchmark([w], MODELS["qwen3-0.6b"], check_rounds=2).workloads[0] \
+        .impls["qkrope"].correct and len(calls) == 2
+
+
+def test_fresh_arguments_are_copies_of_the_same_views():
+    from qkrope.bench.impls import fresh_arguments
+
+    base = torch.arange(24.0).view(4, 6)
+    expanded = torch.arange(3)[None].expand(4, 3)  # the suite's positions: batch stride 0
+    view = base[:, 1:4].t()
+    copies = fresh_arguments((view, expanded, 1e-6))
+    for a, c in zip((view, expanded), copies):
+        assert torch.equal(a, c) and a.stride() == c.stride()
+        assert a.untyped_storage().data_ptr() != c.untyped_storage().data_ptr()
+    copies[0].fill_(-1)
+    assert torch.equal(view, base[:, 1:4].t()) and base.min() == 0
+    assert copies[2] == 1e-6
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path of the CLI")
+def test_per_token_head_gate_sees_rows_that_must_stay(monkeypatch, capsys):
+    # The rows before the new tokens (C = 64 of them) dequantise through their scale-cache
+    # entries, which the bench fills with values: codes written over them fail the rule.
+    from qkrope.bench import impls
+    from qkrope.ops.qknorm_rope.api import fused_rope_with_qk_norm_and_kv_cache_update as op
+
+    def wrong(*args, **kw):
+        out = op(*args, **kw)
+        out[3][:, :, :64].view(torch.uint8).fill_(0x40)  # the old V rows overwritten
+        return out
+
+    monkeypatch.setitem(impls.IMPLS, "qkrope", impls.Impl("qkrope", "wrong", lambda: wrong))
+    flags = ["--kv-dtype", "fp8", "--kv-scales", "per-token-head"]
+    assert main(["bench", "--shape", "2,64,1", "--model", "qwen3-0.6b", *flags]) == 1
+    assert "FAIL" in capsys.readouterr().out
+
+
 def test_render_timed_report_with_nothing_run():
     # A GPU run whose every named implementation was skipped (e.g. --impl flashinfer).
     rep = fake_report()

@@ -235,15 +235,26 @@ class TensorCheck:
 OUTPUT_NAMES = ("query_rotated", "key_rotated", "key_cache_out", "value_cache_out")
 
 
-def check_outputs(outputs, reference, atol: float, rtol: float = 0.05) -> list[TensorCheck]:
+def check_outputs(outputs, reference, atol: float, rtol: float = 0.05,
+                  omits: tuple[str, ...] = ()) -> list[TensorCheck]:
     """Apply the correctness rule (``|out - ref| <= atol + rtol*|ref|`` on >= 99 % of elements, no
-    NaN/Inf) to each of the four outputs; returns one :class:`TensorCheck` per tensor. An output
-    given as None (an implementation without it, e.g. FlashInfer's rotated K, which only goes to
-    the cache) is not checked."""
+    NaN/Inf) to each of the four outputs; returns one :class:`TensorCheck` per tensor. Before
+    the rule, which compares in fp32 and would broadcast, each output must be a tensor of its
+    reference's shape and dtype (a ValueError says which is not). An output given as None is
+    allowed only where named in ``omits`` (an implementation without it, e.g. FlashInfer's
+    rotated K, which only goes to the cache: checked there)."""
+    if len(outputs) != len(reference):
+        raise ValueError(f"{len(outputs)} outputs where the reference has {len(reference)}")
     checks = []
     for name, out, ref in zip(OUTPUT_NAMES, outputs, reference, strict=True):
-        if out is None:
+        if out is None and name in omits:
             continue
+        if not isinstance(out, torch.Tensor) or out.shape != ref.shape or \
+                out.dtype != ref.dtype:
+            got = (f"{out.dtype} {list(out.shape)}" if isinstance(out, torch.Tensor)
+                   else type(out).__name__)
+            raise ValueError(f"{name} is {got} where the reference's is {ref.dtype} "
+                             f"{list(ref.shape)}")
         o, r = out.float(), ref.float()
         err = (o - r).abs()
         match = (err <= atol + rtol * r.abs()).float().mean().item()

@@ -20,7 +20,8 @@ from ..ops.qknorm_rope.reference import qknorm_rope_cache_ref, qknorm_rope_paged
 from ..suite import make_inputs, make_paged_inputs
 
 __all__ = ["Impl", "IMPLS", "PAGED_IMPLS", "ALL_IMPLS", "Layout", "LAYOUTS", "resolve_impls",
-           "default_impls", "impl_layouts", "peer_unavailable", "with_fresh_caches"]
+           "default_impls", "impl_layouts", "peer_unavailable", "fresh_arguments",
+           "WRITTEN_ARGUMENTS"]
 
 OpFn = Callable[..., tuple]
 
@@ -38,6 +39,8 @@ class Impl:
     default: bool = True
     # Why a run of another layout cannot have it (None: "no <layout> adapter").
     elsewhere: str | None = None
+    # Outputs it returns as None (suite.OUTPUT_NAMES; checked through the caches instead).
+    omits: tuple[str, ...] = ()
 
 
 def _eager_reference() -> OpFn:
@@ -132,6 +135,7 @@ PAGED_IMPLS: dict[str, Impl] = {
         Impl("flashinfer", "FlashInfer's fused QK RMSNorm + RoPE + paged K/V append (64/8 or "
              "8/1 heads of 128; rotated K checked through the cache)", flashinfer.build,
              flashinfer.unavailable, takes_options=False, default=False,
+             omits=("key_rotated",),
              elsewhere="FlashInfer's fused op is token-major with a paged cache: --layout paged "
                        "(its heads: --model qwen3-32b)"),
     )
@@ -152,11 +156,19 @@ class Layout:
     impls: dict[str, Impl]
 
 
-def with_fresh_caches(args: tuple) -> tuple:
-    """The op arguments with copies of both caches (arguments 4 and 5 in either layout)."""
-    args = list(args)
-    args[4], args[5] = args[4].clone(), args[5].clone()
-    return tuple(args)
+def fresh_arguments(args: tuple) -> tuple:
+    """Copies of the op's tensor arguments: each implementation gets its own (one that writes
+    an input in place, or the caches, leaves the next one's intact). Each is the same view
+    (sizes, strides, offset: expanded positions stay expanded) of a copy of its storage."""
+    def copy(a):
+        return torch.empty(0, dtype=a.dtype, device=a.device).set_(
+            a.untyped_storage().clone(), a.storage_offset(), a.shape, a.stride())
+
+    return tuple(copy(a) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+#: The op's arguments an implementation may write: the two caches (either layout).
+WRITTEN_ARGUMENTS = (4, 5)
 
 
 def _paged_reference(args: tuple, **options) -> tuple:

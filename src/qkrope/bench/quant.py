@@ -73,13 +73,16 @@ class Quant:
         return (*args[:4], args[4].to(dtype), args[5].to(dtype), *args[6:])
 
     def call_kwargs(self, args: tuple) -> dict:
-        """Fresh per-call keywords: scales, zeroed scale caches, an FP8 query output buffer."""
+        """Fresh per-call keywords: scales, scale caches (each entry 0.75), an FP8 query output
+        buffer."""
         kw = {}
         if self.kv_dtype != "bf16":
             if self.per_token_head:
                 f32 = torch.float32
-                kw.update(k_scale_cache=args[4].new_zeros(args[4].shape[:-1], dtype=f32),
-                          v_scale_cache=args[5].new_zeros(args[5].shape[:-1], dtype=f32))
+                # Not zeros: the rows an implementation must leave alone then dequantise to
+                # values, so corrupting their codes shows (the caches are random bytes).
+                kw.update(k_scale_cache=args[4].new_full(args[4].shape[:-1], 0.75, dtype=f32),
+                          v_scale_cache=args[5].new_full(args[5].shape[:-1], 0.75, dtype=f32))
             else:
                 kw.update(k_scale=SCALE, v_scale=SCALE)
         if self.q_out != "bf16":

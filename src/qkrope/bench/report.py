@@ -91,6 +91,11 @@ def _status(r: ImplResult | None) -> str:
     return "pass" if r.correct else f"FAIL ({_f(r.match_fraction, '{:.1%}')})"
 
 
+def _rounds(report) -> str:
+    n = report.settings.get("check_rounds", 1)
+    return f"{n} round{'s' if n != 1 else ''} of fresh random inputs"
+
+
 def render_markdown(report: BenchReport, main: str | None = None) -> str:
     """The report as markdown: the per-workload table, geomeans, host/graph times, notes.
     ``main``: the implementation the others are compared with (qkrope when it ran, else the
@@ -128,7 +133,9 @@ def render_markdown(report: BenchReport, main: str | None = None) -> str:
                      f"per call (CUPTI, L2 flushed, median of {report.settings['iters']}). "
                      "copy µs: the faster of torch's copy "
                      "and a Triton streaming copy moving the same bytes (half read, half "
-                     f"written), timed the same way; % of copy = that / {main} µs.")
+                     f"written), timed the same way; % of copy = that / {main} µs. Each "
+                     "implementation was checked against qkrope.reference on "
+                     f"{_rounds(report)} per workload (spec.md §2), the first also timed.")
         lines.append("")
         spec_bw = spec_bandwidth(env.get("gpu"))
         head = ["#", "S", "C", "B", "tokens", "floor µs", "copy µs", f"{main} µs", "p20–p80",
@@ -191,7 +198,8 @@ def render_markdown(report: BenchReport, main: str | None = None) -> str:
         lines.append("No CUDA device: checked the real Triton kernel through Triton's interpreter "
                      "against qkrope.reference (≥ 99% of the elements of each output within "
                      "atol + 5%, none NaN/Inf"
-                     + ("; cache length C+S" if layout == "bhsd" else "") + f"), at {plan}. "
+                     + ("; cache length C+S" if layout == "bhsd" else "")
+                     + f"; {_rounds(report)} per workload), at {plan}. "
                      "Timing needs a CUDA GPU.")
         lines.append("")
         if main not in report.impls:
