@@ -356,6 +356,7 @@ def run_benchmark(
             del call_args
         for _ in range(1, rounds if available else 1):
             progress.status(f"#{idx} {listed.name} more inputs")
+            del args, ref  # before the next round's: a suite cache can be gigabytes
             args = quant.prepare(lay.make_inputs(w, g, device=device, cache_capacity=L,
                                                  generator=gen,
                                                  benchmark_weights=benchmark_inputs))
