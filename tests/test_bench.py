@@ -220,6 +220,9 @@ def test_cli_exits_one_on_a_wrong_qkrope_result(monkeypatch, capsys):
     (lambda q, k, kc, vc, a: (q.float()[None], k, kc, vc), "query_rotated is torch.float32"),
     # the rotated rows written over the caller's query
     (lambda q, k, kc, vc, a: (a[0].copy_(q), k, kc, vc), "changed its input argument 0"),
+    # one element of a row no token names (row 0: C = 1), far under the rule's 1%
+    (lambda q, k, kc, vc, a: (q, k, kc.index_fill_(2, torch.tensor([0]), 7.0), vc),
+     "it changed key_cache rows that no token of the call names"),
 ])
 def test_the_bench_gate_refuses_malformed_outputs_and_changed_inputs(monkeypatch, capsys,
                                                                       wrong, says):
@@ -276,21 +279,27 @@ def test_fresh_arguments_are_copies_of_the_same_views():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path of the CLI")
-def test_per_token_head_gate_sees_rows_that_must_stay(monkeypatch, capsys):
-    # The rows before the new tokens (C = 64 of them) dequantise through their scale-cache
-    # entries, which the bench fills with values: codes written over them fail the rule.
+@pytest.mark.parametrize("target", ["codes", "scales"])
+def test_per_token_head_gate_sees_rows_that_must_stay(monkeypatch, capsys, target):
+    # The rows before the new tokens (C = 64 of them): neither their codes nor their scales
+    # may change (the scale caches start at 0.75, so such rows also dequantise to values).
     from qkrope.bench import impls
     from qkrope.ops.qknorm_rope.api import fused_rope_with_qk_norm_and_kv_cache_update as op
 
     def wrong(*args, **kw):
         out = op(*args, **kw)
-        out[3][:, :, :64].view(torch.uint8).fill_(0x40)  # the old V rows overwritten
+        if target == "codes":
+            out[3][:, :, 5].view(torch.uint8).fill_(0x40)  # an old V row overwritten
+        else:
+            kw["v_scale_cache"][:, :, 5] = 2.0
         return out
 
     monkeypatch.setitem(impls.IMPLS, "qkrope", impls.Impl("qkrope", "wrong", lambda: wrong))
     flags = ["--kv-dtype", "fp8", "--kv-scales", "per-token-head"]
     assert main(["bench", "--shape", "2,64,1", "--model", "qwen3-0.6b", *flags]) == 1
-    assert "FAIL" in capsys.readouterr().out
+    name = "value_cache" if target == "codes" else "v_scale_cache"
+    assert f"it changed {name} rows that no token of the call names" in \
+        capsys.readouterr().out
 
 
 def test_render_timed_report_with_nothing_run():
