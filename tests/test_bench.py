@@ -263,6 +263,30 @@ def test_every_round_of_fresh_inputs_is_checked(monkeypatch):
         .impls["qkrope"].correct and len(calls) == 2
 
 
+@pytest.mark.parametrize("layout", ["bhsd", "paged"])
+def test_rows_kept_compares_every_row_no_token_names(monkeypatch, layout):
+    from qkrope.bench import runner
+
+    monkeypatch.setattr(runner, "SLAB_BYTES", 100)  # a few rows a slab: the slabs' seams too
+    shape = (2, 3, 10, 4) if layout == "bhsd" else (5, 2, 3, 4)  # 10 rows or slots either way
+    cache = torch.randn(shape).to(torch.bfloat16)
+    rows = torch.tensor([3, 7, -1, 12])  # -1 and 12: named by no row of the cache
+    args = (None,) * 4 + (cache, cache.clone(), rows)
+
+    def row(t, r):  # a row (bhsd) or a slot (paged) of t
+        return t[:, :, r] if layout == "bhsd" else t.flatten(0, 1)[r]
+
+    for r in range(10):
+        after = [cache.clone(), cache.clone()]
+        row(after[1], r).add_(1)
+        call = (None,) * 4 + (*after, rows)
+        if r in (3, 7):
+            runner._rows_kept(layout, args, call, {})
+        else:
+            with pytest.raises(ValueError, match="it changed value_cache rows"):
+                runner._rows_kept(layout, args, call, {})
+
+
 def test_fresh_arguments_are_copies_of_the_same_views():
     from qkrope.bench.impls import fresh_arguments
 

@@ -421,16 +421,17 @@ def _rows_kept(layout: str, args: tuple, call_args: tuple, kw: dict) -> None:
         n = before.shape[0]
         keep = torch.ones(n, dtype=torch.bool, device=before.device)
         keep[rows[(rows >= 0) & (rows < n)]] = False
-        for start in range(0, n, ROW_SLAB):
-            sel = keep[start:start + ROW_SLAB]
-            b = before[start:start + ROW_SLAB][sel].contiguous().view(torch.uint8)
-            a = after[start:start + ROW_SLAB][sel].contiguous().view(torch.uint8)
+        slab = max(1, SLAB_BYTES // max(1, before[0].numel() * before.element_size()))
+        for start in range(0, n, slab):
+            sel = keep[start:start + slab]
+            b = before[start:start + slab][sel].contiguous().view(torch.uint8)
+            a = after[start:start + slab][sel].contiguous().view(torch.uint8)
             if not torch.equal(a, b):
                 raise ValueError(f"it changed {name} rows that no token of the call names")
 
 
-#: Cache rows compared at a time by :func:`_rows_kept`.
-ROW_SLAB = 4096
+#: Bytes of cache rows :func:`_rows_kept` compares at a time (of each of the two copies).
+SLAB_BYTES = 1 << 28
 
 
 def _inputs_kept(args: tuple, call_args: tuple) -> None:
