@@ -2,7 +2,9 @@
 
 Its body is what every eager launch runs: the native fast path for a signature it has seen
 (``KernelLauncher.fast_call``: no Python checks, one ``cuLaunchKernel``), else the overlap check
-and the checked launch, which keeps a plan for that signature. Inside a compiled graph the
+and the checked launch, which keeps a plan for that signature; a call that did not come through
+a public function (the registered op called directly) gets their checks first, once per
+signature (docs/design.md, "Eager bypass"). Inside a compiled graph the
 arguments were checked when the graph was traced; there the dispatcher runs the op's C++ kernel
 once the native helpers are built (``csrc/op_route.cpp``: the same plans, no Python), which
 hands a call without a plan to this body as ``qkrope::qknorm_rope_checked`` (docs/design.md,
