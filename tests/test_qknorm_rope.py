@@ -271,6 +271,10 @@ def bad(**changes):
     (dict(key=lambda x: torch._neg_view(x.neg())), ValueError, ["key is a negative-bit view"]),
     (dict(value_cache=lambda x: torch._neg_view(x)), ValueError,
      ["value_cache is a negative-bit view", "resolve_neg"]),
+    (dict(key_cache=lambda x: x.to(torch.float8_e4m3fn),
+          value_cache=lambda x: x.to(torch.float8_e4m3fn),
+          k_scale=torch._neg_view(torch.tensor([-0.5], device=DEVICE)), v_scale=0.5),
+     ValueError, ["k_scale is a negative-bit view"]),
     # mrope_interleaved alone would silently run plain RoPE.
     (dict(mrope_interleaved=True), ValueError, ["mrope_interleaved=True needs mrope_section"]),
 ])

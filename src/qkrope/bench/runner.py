@@ -315,20 +315,26 @@ def run_benchmark(
         if available:
             progress.status(f"#{idx} {listed.name} inputs")
             L = cache_capacity or (None if layout == "paged" else w.cache_len + w.seq_len)
-            try:
-                args = quant.prepare(lay.make_inputs(w, g, device=device, cache_capacity=L,
-                                                     generator=gen,
-                                                     benchmark_weights=benchmark_inputs))
-                ref_kw = quant.call_kwargs(args)
-                ref = quant.dequantize(lay.reference(args, **options, **ref_kw), ref_kw)
-            except RuntimeError as e:
-                if not _allocation_failed(e):
-                    raise
-                size = inputs_size(w, g, layout, cache_capacity)
-                raise InputsTooLarge(
-                    f"workload {listed.seq_len},{listed.cache_len},{listed.batch}: could not "
-                    f"allocate its inputs ({size.describe()}): {str(e).splitlines()[0]}; use a "
-                    "smaller cache length (--cache-len) or workload (--shape S,C,B)") from None
+            def inputs():
+                """A round's inputs and the oracle's outputs on them."""
+                try:
+                    args = quant.prepare(lay.make_inputs(w, g, device=device, cache_capacity=L,
+                                                         generator=gen,
+                                                         benchmark_weights=benchmark_inputs))
+                    ref_kw = quant.call_kwargs(args)
+                    return args, quant.dequantize(lay.reference(args, **options, **ref_kw),
+                                                  ref_kw)
+                except RuntimeError as e:
+                    if not _allocation_failed(e):
+                        raise
+                    size = inputs_size(w, g, layout, cache_capacity)
+                    raise InputsTooLarge(
+                        f"workload {listed.seq_len},{listed.cache_len},{listed.batch}: could "
+                        f"not allocate its inputs ({size.describe()}): "
+                        f"{str(e).splitlines()[0]}; use a smaller cache length (--cache-len) "
+                        "or workload (--shape S,C,B)") from None
+
+            args, ref = inputs()
         if timed:
             from .timing import cupti_call_times_us, same_bytes_copies, summarize
 
@@ -341,28 +347,27 @@ def run_benchmark(
             call_args = fresh_arguments(args)
             kw = quant.call_kwargs(call_args)
             call = functools.partial(fn, **kw) if kw else fn
+            out = None
             try:
                 out = call(*call_args)
                 _inputs_kept(args, call_args)
                 _rows_kept(layout, args, call_args, kw)
                 res = check_result(quant.dequantize(out, kw), ref, w.atol,
                                    lay.impls[name].omits)
-                del out
+                out = None  # (it holds this call's caches: freed before the timing)
                 if timed:
                     _time_into(res, call, call_args, flush, iters, warmup, host_calls, graphs,
                                add_one)
             except Exception as e:  # one failing implementation must not end the run
                 res = ImplResult(error=f"{type(e).__name__}: {e}".splitlines()[0][:300])
             wr.impls[name] = res
-            del call_args
+            del call_args, out
         for _ in range(1, rounds if available else 1):
+            if not any(r.error is None and r.correct for r in wr.impls.values()):
+                break  # every implementation has failed already
             progress.status(f"#{idx} {listed.name} more inputs")
             del args, ref  # before the next round's: a suite cache can be gigabytes
-            args = quant.prepare(lay.make_inputs(w, g, device=device, cache_capacity=L,
-                                                 generator=gen,
-                                                 benchmark_weights=benchmark_inputs))
-            ref_kw = quant.call_kwargs(args)
-            ref = quant.dequantize(lay.reference(args, **options, **ref_kw), ref_kw)
+            args, ref = inputs()
             for name, fn in available.items():
                 res = wr.impls[name]
                 if res.error is None and res.correct:

@@ -242,6 +242,7 @@ def scale_tensor(name: str, scale, users: dict, heads: int, heads_name: str):
         return scalar_on(float(scale), device)
     if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32:
         raise TypeError(f"{name} must be a Python float or a float32 tensor")
+    _refuse_negative_view(name, scale)
     if scale.dim() > 1 or (scale.numel() != 1 and scale.numel() != heads) or \
             scale.device != device:
         raise ValueError(f"{name} must be a 0-d or 1-d tensor of 1 or {heads_name}={heads} "
