@@ -137,6 +137,18 @@ def test_inplace_false_with_a_scale_cache_is_refused_and_writes_nothing(name):
                for a, b in zip((kc, vc), before))
 
 
+def _write_fp8_rows(args, kwargs, v):
+    """The paged op on ``args`` with V ``v`` (4 tokens) into slots 0-3 of FP8 caches with
+    per-token-head scales (poisoned): ``(value_cache, v_scale_cache)``."""
+    slots = torch.arange(4, device=DEVICE, dtype=args[6].dtype)
+    kc, vc = args[4].to(FP8), args[5].to(FP8)
+    ksc = torch.full(kc.shape[:-1], POISON, device=DEVICE)
+    vsc = torch.full(vc.shape[:-1], POISON, device=DEVICE)
+    call = (*args[:2], v, args[3], kc, vc, slots, *args[7:])
+    qkrope.fused_qk_norm_rope_paged(*call, **kwargs, k_scale_cache=ksc, v_scale_cache=vsc)
+    return vc, vsc
+
+
 def test_zero_nan_inf_and_huge_rows():
     args, kwargs = make(PCase(T=4, Hq=2, Hkv=2, D=64, seed=7))
     v = args[2].clone()
@@ -145,12 +157,7 @@ def test_zero_nan_inf_and_huge_rows():
     v[1, 0, 5] = float("inf")          # inf: scale inf, the row 0 but the inf (NaN)
     v[1, 1] = 3e4                      # huge: scale 3e4 / 448, codes 448
     v[2, 0] = float("nan")             # all NaN: nothing in the amax, scale 1e-6, codes 0x7F
-    slots = torch.tensor([0, 1, 2, 3], device=DEVICE, dtype=args[6].dtype)
-    kc, vc = args[4].to(FP8), args[5].to(FP8)
-    ksc = torch.full(kc.shape[:-1], POISON, device=DEVICE)
-    vsc = torch.full(vc.shape[:-1], POISON, device=DEVICE)
-    call = (*args[:2], v, args[3], kc, vc, slots, *args[7:])
-    qkrope.fused_qk_norm_rope_paged(*call, **kwargs, k_scale_cache=ksc, v_scale_cache=vsc)
+    vc, vsc = _write_fp8_rows(args, kwargs, v)
     codes, scales = quantize_token_head(v, FP8)
     assert torch.equal(vc[0, :4].view(torch.uint8), codes.view(torch.uint8))
     assert torch.equal(vsc[0, :4], scales)
@@ -174,12 +181,7 @@ def test_a_signalling_nan_is_not_counted_in_the_amax(dtype, snan):
     v[:, :, 0] = 448.0
     for t, pos in enumerate((5, 61, 63, 62)):
         v.view(torch.int16)[t, t % 2, pos] = snan
-    slots = torch.arange(4, device=DEVICE, dtype=args[6].dtype)
-    kc, vc = args[4].to(FP8), args[5].to(FP8)
-    ksc = torch.full(kc.shape[:-1], POISON, device=DEVICE)
-    vsc = torch.full(vc.shape[:-1], POISON, device=DEVICE)
-    call = (*args[:2], v, args[3], kc, vc, slots, *args[7:])
-    qkrope.fused_qk_norm_rope_paged(*call, **kwargs, k_scale_cache=ksc, v_scale_cache=vsc)
+    vc, vsc = _write_fp8_rows(args, kwargs, v)
     codes, scales = quantize_token_head(v, FP8)
     assert torch.equal(vsc[0, :4], scales) and (scales == 1.0).all()
     assert torch.equal(vc[0, :4].view(torch.uint8), codes.view(torch.uint8))
