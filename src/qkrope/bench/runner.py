@@ -344,24 +344,16 @@ def run_benchmark(
                              for copy in same_bytes_copies(nbytes)[2].values())
         for name, fn in available.items():
             progress.status(f"#{idx} {listed.name} {name}")
-            call_args = fresh_arguments(args)
-            kw = quant.call_kwargs(call_args)
-            call = functools.partial(fn, **kw) if kw else fn
-            out = None
             try:
-                out = call(*call_args)
-                _inputs_kept(args, call_args)
-                _rows_kept(layout, args, call_args, kw)
-                res = check_result(quant.dequantize(out, kw), ref, w.atol,
-                                   lay.impls[name].omits)
-                out = None  # (it holds this call's caches: freed before the timing)
+                res, call, call_args = _check(fn, args, ref, quant, w.atol,
+                                              lay.impls[name].omits, layout)
                 if timed:
                     _time_into(res, call, call_args, flush, iters, warmup, host_calls, graphs,
                                add_one)
+                del call, call_args
             except Exception as e:  # one failing implementation must not end the run
-                res = ImplResult(error=f"{type(e).__name__}: {e}".splitlines()[0][:300])
+                res = ImplResult(error=_error(e))
             wr.impls[name] = res
-            del call_args, out
         for _ in range(1, rounds if available else 1):
             if not any(r.error is None and r.correct for r in wr.impls.values()):
                 break  # every implementation has failed already
@@ -390,19 +382,31 @@ def run_benchmark(
     return report
 
 
+def _check(fn, args: tuple, ref, quant: Quant, atol: float, omits: tuple[str, ...],
+           layout: str):
+    """One call of ``fn`` on its own copies of ``args``, checked: ``(result, the call with its
+    keywords, its arguments)``; raises where the call did or changed what it must not."""
+    call_args = fresh_arguments(args)
+    kw = quant.call_kwargs(call_args)
+    call = functools.partial(fn, **kw) if kw else fn
+    out = call(*call_args)
+    _inputs_kept(args, call_args)
+    _rows_kept(layout, args, call_args, kw)
+    return check_result(quant.dequantize(out, kw), ref, atol, omits), call, call_args
+
+
+def _error(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}".splitlines()[0][:300]
+
+
 def _check_again(res: ImplResult, fn, args: tuple, ref, quant: Quant, atol: float,
                  omits: tuple[str, ...], layout: str) -> None:
     """One more round of the check on fresh inputs, folded into ``res`` (its worst match
     fraction and error; a failure or an exception makes the workload fail)."""
-    call_args = fresh_arguments(args)
-    kw = quant.call_kwargs(call_args)
     try:
-        out = (functools.partial(fn, **kw) if kw else fn)(*call_args)
-        _inputs_kept(args, call_args)
-        _rows_kept(layout, args, call_args, kw)
-        again = check_result(quant.dequantize(out, kw), ref, atol, omits)
+        again = _check(fn, args, ref, quant, atol, omits, layout)[0]
     except Exception as e:  # as in the first round: recorded, the run goes on
-        res.error = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        res.error = _error(e)
         return
     res.correct = again.correct
     res.match_fraction = min(res.match_fraction, again.match_fraction)
