@@ -2,8 +2,10 @@
 with a stand-in for Triton's compiled kernel: a repeated call passes exactly the parameters
 Triton's own launch got, and only for the argument signature its plan was built from."""
 
+import gc
 import struct
 import warnings
+import weakref
 
 import numpy as np
 import pytest
@@ -24,10 +26,11 @@ class FakeCompiled:
     """Stands in for Triton's CompiledKernel: what the native plan reads of it."""
 
     function = 0
+    metadata_fields = {"num_ctas": 1, "num_warps": 2, "shared": 0}
 
     def __init__(self, signature):
         self.src = type("Src", (), {"signature": signature})()
-        self.metadata = type("Md", (), {"num_ctas": 1, "num_warps": 2, "shared": 0})()
+        self.metadata = type("Md", (), dict(self.metadata_fields))()
         self.run = type("Run", (), dict(launch_cooperative_grid=False, launch_pdl=False,
                                         global_scratch_size=0, profile_scratch_size=0))()
 
@@ -41,11 +44,14 @@ class FakeJit:
 
     def __init__(self):
         self.launches = []
+        self.compiled = []  # a weak reference to each FakeCompiled returned
 
     def __getitem__(self, grid):
         def launch(**kwargs):
             self.launches.append((grid, kwargs))
-            return FakeCompiled({n: _triton_type(kwargs[n]) for n in self.arg_names})
+            compiled = FakeCompiled({n: _triton_type(kwargs[n]) for n in self.arg_names})
+            self.compiled.append(weakref.ref(compiled))
+            return compiled
         return launch
 
 
@@ -106,6 +112,10 @@ def fake(monkeypatch):
         def add_plan(op, options, signature, plan):
             Module.added.append((op, options, signature))
             return True
+
+        @staticmethod
+        def clear_plans(op):
+            Module.added.clear()
 
     jit = FakeJit()
     jit.module = Module
@@ -328,6 +338,36 @@ def test_paged_signature_tracks_scales_and_options(fake):
         call(*args, **{**kwargs, "k_scale": "0.5"})
     call(*args, **{**kwargs, "rotary_style": "gptj"})  # options are part of the signature
     assert len(jit.launches) == 2
+
+
+def test_a_plan_keeps_its_compiled_kernel_alive(fake):
+    """Triton (3.8) unloads a kernel's module when its CompiledKernel is freed, e.g. when the
+    kernel's cache is dropped; a plan launching that CUfunction must keep the object alive
+    until the plan itself goes."""
+    jit, runs = fake
+    args = make_inputs(Case(S=2))
+    qkrope.run(*args)
+    gc.collect()  # Triton's cache (the stand-in keeps none) has let the kernel go
+    assert jit.compiled[0]() is not None, "the plan let its kernel be freed"
+    qkrope.run(*args)
+    assert len(runs) == 1
+    launcher.LAUNCHER.clear_plans()
+    gc.collect()
+    assert jit.compiled[0]() is None, "a forgotten plan still holds its kernel"
+
+
+@pytest.mark.parametrize("field, value", [("instrumentation_mode", "gsan"),
+                                          ("shared", 228 * 1024 + 16)])
+def test_a_kernel_needing_more_of_tritons_launcher_keeps_it(fake, monkeypatch, field, value):
+    """An instrumented kernel (Triton 3.8's gsan appends a parameter) or one whose shared
+    memory needs the oversized mode's launch attribute gets no native plan."""
+    jit, runs = fake
+    monkeypatch.setattr(FakeCompiled, "metadata_fields",
+                        {**FakeCompiled.metadata_fields, field: value})
+    args = make_inputs(Case(S=2))
+    qkrope.run(*args)
+    qkrope.run(*args)
+    assert len(jit.launches) == 2 and not runs and not launcher.LAUNCHER.plans
 
 
 def test_unverified_triton_takes_tritons_launch_with_one_warning(fake, monkeypatch):

@@ -39,7 +39,8 @@ from . import _native
 
 __all__ = ["KernelLauncher", "Plan", "param_kinds", "device_of", "route", "VERIFIED_TRITON"]
 
-#: Triton versions (major.minor) whose compiled-kernel object the native route was verified on.
+#: Triton versions (major.minor) whose compiled-kernel object the native route was verified on
+#: (docs/design.md, "Native launch route": what it reads of each).
 VERIFIED_TRITON = ("3.6",)
 
 # The raw handle of the current stream, as Triton's own launcher gets it (a tenth of the cost of
@@ -55,6 +56,10 @@ _interpreter_lock = threading.Lock()
 # kernel's type); anything else takes the checked path, which judges it.
 _FP32_TINY, _FP32_MAX = 2.0**-126, 3.4028234663852886e38
 _warned: set[str] = set()
+# Above this much shared memory a block needs a launch attribute (Triton 3.8's launcher sets the
+# oversized shared-memory mode there) that the native launch does not pass: such kernels keep
+# Triton's launch.
+_MAX_PLAIN_SHARED = 228 * 1024
 
 
 def device_of(t: torch.Tensor):
@@ -120,6 +125,10 @@ class Plan(NamedTuple):
     handle: object    # the native plan (csrc/fast_path.cpp, make_launch)
     device_index: int
     run: object       # the native module's launch function
+    # Triton's CompiledKernel, held for as long as the plan: the plan launches its CUfunction,
+    # which Triton unloads with its module once the object is freed (3.8's __del__), e.g. when
+    # a kernel's cache is dropped.
+    compiled: object
 
     def launch(self, values: Sequence) -> None:
         """Launch with the per-call values (addresses, scalars) in the launcher's order."""
@@ -273,7 +282,7 @@ class KernelLauncher:
             return
         if len(self.plans) >= self.MAX_PLANS:
             self.clear_plans()  # both routes: each relearns from checked launches
-        self.plans[found[0]] = plan = Plan(plan, device_index, _native.module().launch)
+        self.plans[found[0]] = plan = Plan(plan, device_index, _native.module().launch, compiled)
         if self.op is not None and op_options is not None:
             module = _native.module()
             if not self._op_served:
@@ -289,7 +298,8 @@ class KernelLauncher:
     def _native_plan(self, compiled, grid, args: dict, meta: dict, device_index: int):
         """A native launch plan for ``compiled``, or None where the native helpers are not
         built, the kernel needs what Triton's launcher adds (scratch memory, clusters,
-        cooperative or PDL launches), or the driver's parameter table disagrees."""
+        cooperative or PDL launches, an instrumentation's extra parameter, an oversized
+        shared-memory mode), or the driver's parameter table disagrees."""
         module = _native.module()
         runner, md = getattr(compiled, "run", None), getattr(compiled, "metadata", None)
         signature = getattr(getattr(compiled, "src", None), "signature", None)
@@ -298,7 +308,8 @@ class KernelLauncher:
             return None
         if (getattr(md, "num_ctas", None) != 1 or getattr(runner, "launch_cooperative_grid", 1)
                 or getattr(runner, "launch_pdl", 1) or getattr(runner, "global_scratch_size", 1)
-                or getattr(runner, "profile_scratch_size", 1)):
+                or getattr(runner, "profile_scratch_size", 1)
+                or getattr(md, "instrumentation_mode", "") or md.shared > _MAX_PLAIN_SHARED):
             return None
         kinds = param_kinds(signature)
         if kinds is None:
