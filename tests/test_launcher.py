@@ -133,6 +133,11 @@ def fake(monkeypatch):
     monkeypatch.setattr(launcher.LAUNCHER, "kernel", jit)
     monkeypatch.setattr(launcher.LAUNCHER, "plans", {})
     monkeypatch.setattr(launcher.LAUNCHER, "_op_served", False)
+    # torch.cuda.device stood in below breaks torch's own device lookups: the capability that
+    # picks the FP8 conversion (on a GPU machine the calls' tensors are CUDA ones) is read first.
+    capabilities = {torch.device("cuda", i): torch.cuda.get_device_capability(i)
+                    for i in range(torch.cuda.device_count())}
+    monkeypatch.setattr(launcher, "_capability", capabilities.__getitem__)
     monkeypatch.setattr(torch.cuda, "device", lambda d: _Nothing())
     return jit, runs
 
@@ -368,6 +373,23 @@ def test_a_kernel_needing_more_of_tritons_launcher_keeps_it(fake, monkeypatch, f
     qkrope.run(*args)
     qkrope.run(*args)
     assert len(jit.launches) == 2 and not runs and not launcher.LAUNCHER.plans
+
+
+@pytest.mark.parametrize("name", ["launch_enter_hook", "launch_exit_hook"])
+def test_a_triton_launch_hook_keeps_tritons_launch(name):
+    """A native launch would skip the hook (a profiler's, say): none may be installed."""
+    chain = getattr(_launch.triton.knobs.runtime, name)
+    assert _launch._no_launch_hooks()
+
+    def hook(*args):
+        pass
+
+    chain.add(hook)
+    try:
+        assert not _launch._no_launch_hooks()
+    finally:
+        chain.remove(hook)
+    assert _launch._no_launch_hooks()
 
 
 def test_unverified_triton_takes_tritons_launch_with_one_warning(fake, monkeypatch):

@@ -41,7 +41,7 @@ __all__ = ["KernelLauncher", "Plan", "param_kinds", "device_of", "route", "VERIF
 
 #: Triton versions (major.minor) whose compiled-kernel object the native route was verified on
 #: (docs/design.md, "Native launch route": what it reads of each).
-VERIFIED_TRITON = ("3.6",)
+VERIFIED_TRITON = ("3.6", "3.8")
 
 # The raw handle of the current stream, as Triton's own launcher gets it (a tenth of the cost of
 # building a torch.cuda.Stream object per call); the public route where it is missing.
@@ -90,9 +90,10 @@ def route() -> tuple[str, str]:
 
 def _no_launch_hooks() -> bool:
     """Direct launches skip Triton's launch hooks, so they are used only when none is installed
-    (Triton 3.6 keeps an empty HookChain there rather than None)."""
-    hook = triton.knobs.runtime.launch_enter_hook
-    return hook is None or not getattr(hook, "calls", True)
+    (Triton 3.6 and 3.8 keep empty HookChains there rather than None)."""
+    runtime = triton.knobs.runtime
+    return all(hook is None or not getattr(hook, "calls", True)
+               for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook))
 
 
 # Triton scalar type -> the native launcher's parameter kind (csrc/fast_path.cpp, kind_size).
@@ -102,7 +103,7 @@ _KINDS = {"i1": "b", "i8": "b", "i16": "h", "i32": "i", "i64": "l", "u1": "B", "
 
 
 def param_kinds(signature: dict) -> str | None:
-    """The native launcher's kinds for a kernel compiled by Triton 3.6 with ``signature``
+    """The native launcher's kinds for a kernel compiled by Triton 3.6 or 3.8 with ``signature``
     (``CompiledKernel.src.signature``: argument name -> type, in argument order, constexprs
     included): one kind per argument, then two null pointers for the global and profile
     scratch buffers Triton appends to every kernel. None for types it does not pack (tuples,
