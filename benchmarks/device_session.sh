@@ -38,6 +38,10 @@
 #   bash benchmarks/device_session.sh bound [PRESET] # e2e_profile stock, patched and free (a
 #                                                  # prologue reduced to the K/V copy), kernels
 #                                                  # by name: what any prologue could gain (~2 min)
+#   bash benchmarks/device_session.sh carried STEP [ARGS] # STEP under a Triton packed by
+#                                                  # benchmarks/carry_triton.sh (its header)
+#   bash benchmarks/device_session.sh route-check # tests and host figures behind a verified
+#                                                  # Triton of the native route (~6 min)
 #   bash benchmarks/device_session.sh route [PRESET] # the op's C++ compile route: its GPU tests,
 #                                                  # host times, e2e_profile, e2e compile mode (~8 min)
 # What needs no GPU runs here instead: python benchmarks/compile_sm90.py (benchmarks/README.md).
@@ -48,7 +52,7 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-    .whl/*.whl && export PYTHONPATH=/tmp/site
+    .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
@@ -170,6 +174,34 @@ case "${1:-tests}" in
       stock,patched,free --cells eager:1:decode,compile:1:decode,reduce-overhead:1:decode,reduce-overhead:8:decode \
       --top 40 --json "$OUT/bound.json" > "$OUT/bound.md" 2>&1; echo "bound rc=$?"
     grep -E "^###|^\| " "$OUT/bound.md" ;;
+  carried) # Triton packed by benchmarks/carry_triton.sh: the earlier calls' parts in /tmp, the
+           # last one carried; unpacked, put first on PYTHONPATH, then STEP [ARGS] as usual
+    parts=()
+    for n in $( (ls .carry/triton; ls /tmp) 2>/dev/null | grep -E '^part[0-9]+$' | sort -u); do
+      if [ -f ".carry/triton/$n" ]; then parts+=(".carry/triton/$n"); else parts+=("/tmp/$n"); fi
+    done
+    mkdir -p /tmp/triton-carried
+    cat "${parts[@]}" | xz -d | tar -x -C /tmp/triton-carried ||
+      { echo "carried: unpacking ${parts[*]} failed"; exit 3; }
+    PYTHONPATH=/tmp/triton-carried${PYTHONPATH:+:$PYTHONPATH} exec bash "$0" "${@:2}" ;;
+  route-check) # what a new entry of _launch.VERIFIED_TRITON rests on (docs/design.md, "Native
+    # launch route"): the kernel and launch tests, the compile and HF tests, then decode #1 and
+    # #2 on the native route and #1 with QKROPE_NATIVE=0 (Triton's own launch), host beside GPU
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -n 12 tests/test_gpu.py \
+      tests/test_launcher.py tests/test_native.py tests/test_qknorm_rope.py \
+      tests/test_per_token_head.py tests/test_fp8_outputs.py tests/test_faults.py \
+      tests/test_autograd.py > "$OUT/pytest-route.log" 2>&1
+    echo "kernel and launch tests rc=$?"; grep -E "^FAILED|^ERROR" "$OUT/pytest-route.log" | head
+    tail -1 "$OUT/pytest-route.log"
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -n 12 tests/test_compile.py \
+      tests/test_transformers.py > "$OUT/pytest-route-compile.log" 2>&1
+    echo "compile and HF tests rc=$?"; tail -1 "$OUT/pytest-route-compile.log"
+    for s in 1,0,1:native 1,2048,4:native 1,0,1:triton; do  # (no commas in $OUT's file names)
+      native=1; [ "${s#*:}" = triton ] && native=0; f="$OUT/route-${s//,/-}.md"; f=${f/:/-}
+      QKROPE_NATIVE=$native timeout 90 python3 -m qkrope bench --impl qkrope --shape "${s%:*}" \
+        --no-graph --host-calls 500 > "$f" 2>&1; echo "bench ${s} rc=$?"
+      grep -E "^Launch route|^\| [0-9]+ \|" "$f" | cut -c1-160
+    done ;;
   route) # the registered op's C++ kernel (csrc/op_route.cpp): its tests, the op's host time in a
          # graph, what a compiled step launches, then the compiled cells of the e2e table
     timeout 240 python3 -m pytest -q -p no:cacheprovider -n 12 tests/test_compile.py \
