@@ -24,6 +24,10 @@ DTYPES = {"fp8": torch.float8_e4m3fn, "fp8-e5m2": torch.float8_e5m2, "int8": tor
 #: Per-tensor scale of K, V and Q in these runs: 448 x 1/64 = 7 covers the rotated rows of the
 #: random inputs (RMS ~1, weights 1 +- 0.5) and V ~ N(0, 1) but for rare saturated elements.
 SCALE = 1.0 / 64
+# What the per-token-head scale caches hold before a call: not 0, so the rows an implementation
+# must leave alone dequantise to values and corrupting their codes shows (the caches are random
+# bytes); runner._rows_kept checks that those entries still hold it.
+SCALE_CACHE_FILL = 0.75
 #: The implementations that have the quantised modes (the oracles take the same keywords).
 QUANT_IMPLS = ("qkrope", "eager", "torch.compile")
 
@@ -73,16 +77,15 @@ class Quant:
         return (*args[:4], args[4].to(dtype), args[5].to(dtype), *args[6:])
 
     def call_kwargs(self, args: tuple) -> dict:
-        """Fresh per-call keywords: scales, scale caches (each entry 0.75), an FP8 query output
-        buffer."""
+        """Fresh per-call keywords: scales, scale caches (each entry ``SCALE_CACHE_FILL``), an
+        FP8 query output buffer."""
         kw = {}
         if self.kv_dtype != "bf16":
             if self.per_token_head:
                 f32 = torch.float32
-                # Not zeros: the rows an implementation must leave alone then dequantise to
-                # values, so corrupting their codes shows (the caches are random bytes).
-                kw.update(k_scale_cache=args[4].new_full(args[4].shape[:-1], 0.75, dtype=f32),
-                          v_scale_cache=args[5].new_full(args[5].shape[:-1], 0.75, dtype=f32))
+                fill = SCALE_CACHE_FILL
+                kw.update(k_scale_cache=args[4].new_full(args[4].shape[:-1], fill, dtype=f32),
+                          v_scale_cache=args[5].new_full(args[5].shape[:-1], fill, dtype=f32))
             else:
                 kw.update(k_scale=SCALE, v_scale=SCALE)
         if self.q_out != "bf16":

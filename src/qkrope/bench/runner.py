@@ -24,7 +24,7 @@ from .env import environment
 from .impls import (
     LAYOUTS, WRITTEN_ARGUMENTS, default_impls, fresh_arguments, peer_unavailable, resolve_impls,
 )
-from .quant import QUANT_IMPLS, Quant
+from .quant import QUANT_IMPLS, SCALE_CACHE_FILL, Quant
 from .report import (
     BenchReport, ImplResult, WorkloadResult, render_markdown, write_json, write_plot,
 )
@@ -419,8 +419,8 @@ def _rows_kept(layout: str, args: tuple, call_args: tuple, kw: dict) -> None:
     (docs/spec.md §2). Compared a slab of rows at a time: a suite cache can be gigabytes."""
     pairs = [("key_cache", args[4], call_args[4]), ("value_cache", args[5], call_args[5])]
     for name in ("k_scale_cache", "v_scale_cache"):
-        if kw.get(name) is not None:  # the bench fills them with 0.75 (quant.call_kwargs)
-            pairs.append((name, torch.full_like(kw[name], 0.75), kw[name]))
+        if kw.get(name) is not None:  # filled by quant.call_kwargs
+            pairs.append((name, torch.full_like(kw[name], SCALE_CACHE_FILL), kw[name]))
     rows = args[6]
     for name, before, after in pairs:
         if layout == "paged":  # [blocks, block_size, ...] -> one row per slot, first
