@@ -11,8 +11,10 @@
 #   bash benchmarks/device_session.sh sweep      # --sweep vs torch.compile, 96/8 and 32/8 heads
 #   bash benchmarks/device_session.sh presets    # sweeps: qwen3-32b, qwen3-vl-8b, qwen3.5-27b
 #   bash benchmarks/device_session.sh e2e [PRESET [ARGS]] # qkrope bench --e2e: the model, stock vs
-#                                                  # patched (H100: qwen3-8b ~5 min, 32b and 3.5-27b
-#                                                  # ~7); ARGS pass on (e.g. --modes reduce-overhead
+#                                                  # patched (H100, one process per variant:
+#                                                  # qwen3-8b ~5 min, 32b and 3.5-27b ~7; two, the
+#                                                  # default, add decode timing, not yet measured);
+#                                                  # ARGS pass on (e.g. --modes reduce-overhead
 #                                                  # --phases decode --batch 1: one cell)
 #   bash benchmarks/device_session.sh tests-e2e [PRESET] # the GPU tests (xdist), then e2e, in
 #                                                  # one call (~9 min): after a change of the

@@ -547,6 +547,81 @@ def test_e2e_usage_errors(capsys):
         assert rc == 2 and what in err
 
 
+class _FakeWorker:
+    """A stand-in for an e2e worker process: answers the parent's requests from fixed
+    figures (a step of ``wall`` ms, its host part half of it) and records them."""
+
+    def __init__(self, variant, wall, dev=0.0, graphs=1):
+        self.variant, self.preset, self.wall = variant, "p", wall
+        self.dev, self.graphs, self.calls, self._reply = dev, graphs, [], None
+
+    def send(self, name, *args):
+        self.calls.append((name, args[:3] if name == "block" else args[:2]))
+        if name == "reference":
+            self._reply = ([torch.zeros(1, 4)] * 2, torch.zeros(1))  # logits, first token
+        elif name == "block":
+            start, stop = args[:2]
+            self._reply = [(self.wall, self.wall / 2)] * (stop - start)
+        elif name == "generate_round":
+            self._reply = self.wall
+        elif name == "finish":
+            self._reply = ([torch.full((1, 4), self.dev)] * 2, torch.zeros(1), self.graphs, 0, 0)
+        else:
+            self._reply = None
+
+    def result(self):
+        return self._reply
+
+    def call(self, name, *args):
+        self.send(name, *args)
+        return self.result()
+
+
+def test_e2e_several_processes_per_variant_take_turns_and_pool():
+    # With two processes per variant (the GPU default), every process of a variant runs every
+    # decode block (a decode step builds on the cache the steps before it wrote), prefill
+    # blocks go to the processes in turn, the times are pooled, and the interval resamples
+    # the processes: a process whose host is slower than its twin's widens it. Deviations and
+    # graph counts are the worst of a variant's processes.
+    from qkrope.bench.e2e import BLOCK, PREFILL_BLOCK, Cell, _measure, prefill_steps
+
+    def run(phase, mode, walls):
+        workers = {"stock": [_FakeWorker("stock", walls[0]), _FakeWorker("stock", walls[1])],
+                   "patched": [_FakeWorker("patched", walls[2], dev=0.25),
+                               _FakeWorker("patched", walls[3], dev=0.5, graphs=3)]}
+        cell = Cell("p", 1, phase, mode)
+        _measure(workers, cell, torch.zeros(1, 8, dtype=torch.long), 40, 5, "cuda", {})
+        return cell, workers
+
+    cell, workers = run("decode", "compile", (1.0, 1.0, 0.9, 0.9))
+    for w in (w for ws in workers.values() for w in ws):
+        blocks = [args[:2] for name, args in w.calls if name == "block"]
+        assert blocks == [(s, min(45, s + BLOCK)) for s in range(5, 45, BLOCK)], blocks
+    assert len(cell.stock_times) == len(cell.patched_times) == 2 * 40
+    assert cell.speedup == pytest.approx(1 / 0.9) and cell.stock_host_ms == 0.5
+    assert cell.speedup_interval == pytest.approx((1 / 0.9, 1 / 0.9))
+    assert (cell.stock_dev, cell.patched_dev) == (0.0, 0.5)
+    assert (cell.graphs, cell.graph_breaks, cell.recompiles_after_warmup) == (1 + 3, 0, 0)
+    # one reference, from the first stock process
+    assert [n for n, _ in workers["stock"][0].calls].count("reference") == 1
+    assert "reference" not in [n for n, _ in workers["stock"][1].calls]
+
+    cell, workers = run("prefill", "eager", (1.0, 1.0, 0.9, 0.9))
+    n = prefill_steps(40)
+    got = [[args[:2] for name, args in w.calls if name == "block"] for w in workers["stock"]]
+    every = [(s, min(2 + n, s + PREFILL_BLOCK)) for s in range(2, 2 + n, PREFILL_BLOCK)]
+    assert got == [every[0::2], every[1::2]] and len(cell.stock_times) == n
+
+    cell, workers = run("decode", "generate", (1.0, 1.0, 0.9, 0.9))
+    rounds = [sum(n == "generate_round" for n, _ in w.calls) for w in workers["patched"]]
+    assert sum(rounds) == 15 and min(rounds) == 7
+
+    # the second patched process runs 20% slower than the first: the interval shows it
+    cell, _ = run("decode", "compile", (1.0, 1.0, 0.9, 1.08))
+    lo, hi = cell.speedup_interval
+    assert lo < 1 / 1.08 * 1.01 and hi > 1 / 0.9 * 0.99
+
+
 def test_e2e_speedup_interval_brackets_the_ratio_and_widens_with_noise():
     import random
     import statistics
@@ -572,3 +647,12 @@ def test_e2e_speedup_interval_brackets_the_ratio_and_widens_with_noise():
     lo4, hi4 = speedup_interval(stock, burst, block=10)
     assert lo4 < lo3 and hi4 - lo4 > 2 * (hi3 - lo3)
     assert speedup_interval(stock, burst, block=20) is None  # 2 blocks: too few to resample
+    # Two processes per variant (run k in process k % 2): one process of patched ran slower
+    # for its whole life; resampled by process first, the interval holds both processes'
+    # ratios, where resampled by runs alone it would not.
+    slow = [p * (1.1 if (i // 5) % 2 else 1.0) for i, p in enumerate(patched)]
+    lo5, hi5 = speedup_interval(stock, slow, block=5, processes=2)
+    lo6, hi6 = speedup_interval(stock, slow, block=5)
+    assert lo5 < lo6 and hi6 <= hi5
+    assert speedup_interval(stock, stock, block=5, processes=2) == (1.0, 1.0)
+    assert speedup_interval(stock, slow, block=5, processes=4) is None  # 2 runs a process

@@ -218,10 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
     e = b.add_argument_group(
         "end to end (--e2e)",
         "A Qwen3-family model (random weights, a few layers at a preset's width), stock vs "
-        "patched (each in a process of its own), decode step and prefill, in four modes; "
-        "wall ms per step, host time included, with a correctness column and graph counts "
-        "(qkrope.bench.e2e). --model "
-        "picks one preset (default: all); --json, --plot, --seed, --native-wait apply.")
+        "patched (each in worker processes of its own), decode step and prefill, in four "
+        "modes; wall ms per step, host time included, with a correctness column and graph "
+        "counts (qkrope.bench.e2e). --model picks one preset (default: all); --json, --plot, "
+        "--seed, --native-wait apply.")
     e.add_argument("--e2e", action="store_true",
                    help="run the end-to-end model benchmark instead of the op suite")
     e.add_argument("--batch", type=_int_list, default=None, metavar="B,...",
@@ -237,6 +237,10 @@ def build_parser() -> argparse.ArgumentParser:
                         f"steps (default {STEPS}; 3 after 2 without a GPU)")
     e.add_argument("--prefill-len", type=_positive_int, default=512, metavar="S",
                    help="prefill tokens per sequence (default 512; 24 without a GPU)")
+    e.add_argument("--processes", type=_positive_int, default=None, metavar="N",
+                   help="worker processes per variant, timed in turn, their times pooled: "
+                        "a process's host runs at a speed of its own (default 2 on a GPU, "
+                        "1 without)")
 
     i = sub.add_parser("info", help="versions, GPU, Triton interpreter state and which launch "
                                         "route is active, and why",

@@ -9,13 +9,15 @@ Each figure is wall time per step with the device synchronised, so host time cou
 it the step's host part (until the forward returned), so a difference splits into host work
 and time waited for the GPU.
 
-Stock and patched each run in a worker process of their own, as in a user's process: nothing
+Stock and patched each run in worker processes of their own, as in a user's process: nothing
 of the other variant there (compiled code, CUDA-graph trees, the allocator's pool; docs/
-design.md, "End-to-end bench"). The parent sets both up side by side (compiles, untimed), then
-times them in alternating blocks of steps (:data:`BLOCK`), one process on the GPU at a time and
-both on one core, so a drift of the machine's speed hits both alike. Beside each
-speed-up (the ratio of the median times), a 95% interval from resampling the pairs of blocks
-(:func:`speedup_interval`): a cell whose interval holds 1.0 is a tie within this run's noise.
+design.md, "End-to-end bench"); two per variant on a GPU (:data:`PROCESSES`), their times
+pooled, as one process's host runs at a speed of its own. The parent sets all up side by side
+(compiles, untimed), then times them in alternating blocks of steps (:data:`BLOCK`), one
+process on the GPU at a time and all on one core, so a drift of the machine's speed hits both
+variants alike. Beside each speed-up (the ratio of the median times), a 95% interval from
+resampling the processes and the pairs of blocks (:func:`speedup_interval`): a cell whose
+interval holds 1.0 is a tie within this run's noise.
 
 Correctness: random weights give near-ties, so greedy tokens alone prove nothing. Both
 variants are fed the same fixed token stream (teacher forcing) and their last logits are
@@ -75,6 +77,12 @@ STEPS = 150
 #: cell: prefill blocks are short (docs/design.md, "End-to-end bench").
 BLOCK = 10
 PREFILL_BLOCK = 2
+#: Worker processes per variant on a GPU: one process's host runs at a speed of its own for
+#: its life (processes of one variant on one core: 3-7% apart in the host part of a CUDA-graph
+#: step, 0.6-1.6% in its wall time), as large as what separates the variants in the CUDA-graph
+#: cells; two per variant halve its weight and the interval shows it (docs/design.md,
+#: "End-to-end bench")
+PROCESSES = 2
 #: generate() rounds per variant, each giving one per-token time (median): a round's figure is
 #: a difference of two runs, which moved by 0.7-2x between rounds on a noisy host
 GENERATE_ROUNDS = 15
@@ -129,6 +137,7 @@ class E2EReport:
     timed: bool
     cells: list[Cell] = dataclasses.field(default_factory=list)
     op_host_us: dict = dataclasses.field(default_factory=dict)
+    processes: int = 1  # worker processes per variant
 
 
 def build_model(preset: str, layers: int, device: str, seed: int = 0, tiny: bool = False):
@@ -285,23 +294,31 @@ def _generate(model, prompt, device: str, compiled: bool, n: int):
 
 
 def speedup_interval(stock: Sequence[float], patched: Sequence[float], block: int = 1,
-                     resamples: int = 2000, level: float = 0.95) -> tuple[float, float] | None:
+                     resamples: int = 2000, level: float = 0.95,
+                     processes: int = 1) -> tuple[float, float] | None:
     """Percentile bootstrap interval of ``median(stock) / median(patched)``. The i-th times of
     both variants ran close in time (in one pair of blocks, or one round of generate()), so
     pairs are resampled together: a drift of the machine's speed moves both. ``block``: the
     pairs were timed in runs of this many per variant, and are resampled by those runs: a
     burst of another tenant's host load slows a whole run of one variant, so its steps are
-    not independent draws (docs/design.md, "End-to-end bench"). None under 3 runs."""
+    not independent draws (docs/design.md, "End-to-end bench"). ``processes``: each variant
+    ran in this many worker processes, run ``k`` in its ``k % processes``-th; a process's host
+    runs at a speed of its own for its whole life, so the processes are resampled first
+    (stock's ``r``-th with patched's ``r``-th), then the runs within each. None under 3 runs
+    (per process)."""
     import random
 
     n = min(len(stock), len(patched))
     runs = [range(i, min(n, i + block)) for i in range(0, n, block)]
-    if len(runs) < 3:
+    by_process = [runs[r::processes] for r in range(processes)]
+    if min(len(r) for r in by_process) < 3:
         return None
     rng = random.Random(0)  # the same data gives the same interval
     ratios = []
     for _ in range(resamples):
-        idx = [i for _ in runs for i in runs[rng.randrange(len(runs))]]
+        picked = by_process if processes == 1 else \
+            [by_process[rng.randrange(processes)] for _ in range(processes)]
+        idx = [i for own in picked for _ in own for i in own[rng.randrange(len(own))]]
         ratios.append(statistics.median(stock[i] for i in idx) /
                       statistics.median(patched[i] for i in idx))
     ratios.sort()
@@ -397,7 +414,7 @@ class _Variant:
 
 
 def _timing_core() -> int | None:
-    """The one core both workers time on (the parent's last), or None where threads cannot be
+    """The one core all workers time on (the parent's last), or None where threads cannot be
     pinned. A thread's host speed depends on its core (its clock, a busy sibling thread, other
     tenants of the machine), and two processes' threads land on cores of their own: unpinned,
     a cell's stock and patched processes differed by up to 50% in host time for reasons
@@ -476,13 +493,14 @@ class _Worker:
     code, CUDA-graph trees or allocator pool (docs/design.md, "End-to-end bench")."""
 
     def __init__(self, variant: str, preset: str, layers: int, device: str, seed: int,
-                 native_wait: float):
+                 native_wait: float, label: str | None = None):
         import multiprocessing
 
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no CUDA state forked
         self.variant, self.preset = variant, preset
+        self.label = label or variant  # in error lines: which of the variant's processes
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, daemon=True, name=f"qkrope-e2e-{variant}",
+        self.proc = ctx.Process(target=_serve, daemon=True, name=f"qkrope-e2e-{self.label}",
                                 args=(child, variant, preset, layers, device, seed,
                                       native_wait))
         self.proc.start()
@@ -496,7 +514,7 @@ class _Worker:
 
     def _died(self) -> WorkerError:
         self.proc.join(1)
-        return WorkerError(f"the {self.variant} worker died (exit code {self.proc.exitcode})")
+        return WorkerError(f"the {self.label} worker died (exit code {self.proc.exitcode})")
 
     def result(self, timeout: float = REQUEST_TIMEOUT):
         """The reply to the last request; raises WorkerError with the worker's error line,
@@ -506,7 +524,7 @@ class _Worker:
             if not self.proc.is_alive():
                 raise self._died()
             if time.monotonic() > deadline:
-                raise WorkerError(f"the {self.variant} worker gave no answer in {timeout:.0f} s")
+                raise WorkerError(f"the {self.label} worker gave no answer in {timeout:.0f} s")
         try:
             ok, value = self.conn.recv()
         except (EOFError, OSError):  # its end closed: it died
@@ -533,85 +551,102 @@ class _Worker:
 
 def _measure(workers: dict, cell: Cell, stream, steps, warmup, device,
              references: dict) -> None:
-    """Fill ``cell``: stock and patched, each in its worker, set up side by side (untimed),
-    then timed in alternating blocks (so a drift of the machine's speed hits both alike, and
-    only one process uses the GPU at a time), against the stock eager model (run once per
-    batch and phase: ``references``)."""
+    """Fill ``cell``: stock and patched, each in its workers (``workers[variant]``, one list
+    of processes per variant), set up side by side (untimed), then timed in alternating blocks
+    (so a drift of the machine's speed hits both alike, and only one process uses the GPU at
+    a time), against the stock eager model (run once per batch and phase: ``references``).
+    With several processes per variant, the ``r``-th of stock and of patched take their turns
+    together; decode steps build on the cache of the steps before, so every process runs every
+    decode block, while prefills and generate() rounds, each on its own, go to the processes
+    in turn (their timing takes no longer than with one process per variant)."""
     compiled = cell.mode != "eager"
     generate = cell.mode == "generate"
     ref_key = (cell.batch, generate, cell.phase)
     variants = ("stock", "patched")
+    procs = len(workers["stock"])
     first_timed = warmup if cell.phase == "decode" else min(warmup, 2)
-    # The patched worker compiles while the stock one runs the reference, then compiles too:
-    # the host has the cores, and nothing is timed yet.
-    workers["patched"].send("setup", cell.mode, cell.phase, stream,
-                            0 if generate else first_timed)
+    # The patched workers compile while a stock one runs the reference, then stock's compile
+    # too: the host has the cores, and nothing is timed yet.
+    for w in workers["patched"]:
+        w.send("setup", cell.mode, cell.phase, stream, 0 if generate else first_timed)
     if ref_key not in references:
-        references[ref_key] = workers["stock"].call("reference", stream, cell.phase, generate,
-                                                    warmup + steps)
+        references[ref_key] = workers["stock"][0].call("reference", stream, cell.phase,
+                                                       generate, warmup + steps)
     ref_logits, ref_first = references[ref_key]
-    workers["stock"].send("setup", cell.mode, cell.phase, stream, 0 if generate else first_timed)
+    for w in workers["stock"]:
+        w.send("setup", cell.mode, cell.phase, stream, 0 if generate else first_timed)
     for v in variants:
-        workers[v].result()
+        for w in workers[v]:
+            w.result()
     times = {v: [] for v in variants}
     hosts = {v: [] for v in variants}
-    core = _timing_core()  # both time on one core, taking turns
+    core = _timing_core()  # all time on one core, taking turns
     if generate:
         block = 1  # one round per variant at a time
         lo, hi = GENERATE_TOKENS
-        for r in range(GENERATE_ROUNDS if device == "cuda" else 1):  # CPU: untimed
+        for r in range(max(procs, GENERATE_ROUNDS) if device == "cuda" else 1):  # CPU: untimed
             # Per round and variant, the per-token time; the variants' order alternates, so a
             # drift of the host's speed within a round favours neither.
             for v in variants if r % 2 == 0 else variants[::-1]:
-                times[v].append(workers[v].call("generate_round", lo, hi, core))
+                times[v].append(workers[v][r % procs].call("generate_round", lo, hi, core))
     else:
         decode = cell.phase == "decode"
-        n = warmup + steps if decode else first_timed + prefill_steps(steps)
+        n = warmup + steps if decode else first_timed + max(procs, prefill_steps(steps))
         block = BLOCK if decode else PREFILL_BLOCK
-        for start in range(first_timed, n, block):
+        runs = [(start, min(n, start + block)) for start in range(first_timed, n, block)]
+        # (start, stop, process): decode, every block in every process; prefill, in turn
+        turns = [(a, b, r) for a, b in runs for r in range(procs)] if decode else \
+            [(a, b, k % procs) for k, (a, b) in enumerate(runs)]
+        for start, stop, r in turns:
             for v in variants:
-                for wall, host in workers[v].call("block", start, min(n, start + block), core):
+                for wall, host in workers[v][r].call("block", start, stop, core):
                     times[v].append(wall)
                     hosts[v].append(host)
-    last = {v: workers[v].call("finish") for v in variants}
+    last = {v: [w.call("finish") for w in workers[v]] for v in variants}
     cell.stock_ms, cell.patched_ms = (statistics.median(times[v]) for v in variants)
     cell.stock_times, cell.patched_times = (times[v] for v in variants)
     if not generate:
         cell.stock_host_ms, cell.patched_host_ms = (statistics.median(hosts[v]) for v in variants)
         cell.stock_host_times, cell.patched_host_times = (hosts[v] for v in variants)
-    cell.speedup_interval = speedup_interval(times["stock"], times["patched"], block)
-    # generate(): compare the first decode step (the one compiled) where both variants chose
+    cell.speedup_interval = speedup_interval(times["stock"], times["patched"], block,
+                                             processes=procs)
+    # generate(): compare the first decode step (the one compiled) where every process chose
     # the reference's first token; where a near-tie of random weights made one choose another,
     # that step's inputs differ, so the prompt step (eager in generate) is compared instead.
-    step = 1 if generate and all(torch.equal(last[v][1], ref_first) for v in variants) else 0
+    step = 1 if generate and all(torch.equal(f[1], ref_first) for v in variants
+                                 for f in last[v]) else 0
     ref = ref_logits[step]
-    cell.stock_dev = float((last["stock"][0][step] - ref).abs().max())
-    cell.patched_dev = float((last["patched"][0][step] - ref).abs().max())
+    cell.stock_dev, cell.patched_dev = (max(float((f[0][step] - ref).abs().max())
+                                            for f in last[v]) for v in variants)
     eager_bar = EAGER_ULPS * _ulp(ref)
     # Compiled: Inductor rounds the rest of the model unlike eager, so the bar is the stock
     # compiled model's own drift.
     cell.allowed_dev = eager_bar if not compiled or (generate and step == 0) else max(
         eager_bar, 2 * cell.stock_dev + _ulp(ref))
-    if compiled and not generate:  # graphs and breaks of both variants' warm-ups, summed
-        cell.graphs = sum(last[v][2] for v in variants)
-        cell.graph_breaks = sum(last[v][3] for v in variants)
-        cell.recompiles_after_warmup = sum(last[v][4] for v in variants)
+    if compiled and not generate:
+        # graphs, breaks and recompiles after the warm-up: per variant the most any of its
+        # processes had, stock + patched
+        cell.graph_breaks, cell.graphs, cell.recompiles_after_warmup = (
+            sum(max(f[k] for f in last[v]) for v in variants) for k in (3, 2, 4))
 
 
 def run_e2e(presets: Sequence[str], batches: Sequence[int], modes: Sequence[str],
             phases: Sequence[str], layers: int = 4, steps: int = STEPS, warmup: int = 5,
             prefill_len: int = 512, seed: int = 0, progress=None,
             on_update: Callable[[E2EReport], None] | None = None,
-            native_wait: float = 0.0) -> E2EReport:
-    """Every (preset, batch, phase, mode) cell, stock vs patched, each variant in a worker
-    process of its own per preset (:class:`_Worker`; spawned, so a script calling this does so
-    under ``if __name__ == "__main__":``). Without a CUDA GPU: a tiny model through Triton's
+            native_wait: float = 0.0, processes: int = 1) -> E2EReport:
+    """Every (preset, batch, phase, mode) cell, stock vs patched, each variant in
+    ``processes`` worker processes of its own per preset (:class:`_Worker`; spawned, so a
+    script calling this does so under ``if __name__ == "__main__":``; several, so that the
+    speed of one process's host, which differs from process to process, is not read as the
+    variant's: :func:`_measure`). Without a CUDA GPU: a tiny model through Triton's
     interpreter, correctness and graph counts only (no timing)."""
     from .runner import environment
 
     timed = torch.cuda.is_available()
     device = "cuda" if timed else "cpu"
-    report = E2EReport(environment=_environment(environment()), layers=layers, timed=timed)
+    report = E2EReport(environment=_environment(environment()), layers=layers, timed=timed,
+                       processes=processes)
     cells = [Cell(p, b, ph, m) for p in presets for b in batches for ph in phases for m in modes
              if not (ph == "prefill" and m == "generate")]  # generate() times its own decode
     if progress is not None:
@@ -619,7 +654,7 @@ def run_e2e(presets: Sequence[str], batches: Sequence[int], modes: Sequence[str]
     workers, references = {}, {}
 
     def stop_workers():
-        for w in workers.values():
+        for w in (w for ws in workers.values() for w in ws):
             w.close()
         workers.clear()
         references.clear()
@@ -628,7 +663,7 @@ def run_e2e(presets: Sequence[str], batches: Sequence[int], modes: Sequence[str]
         for cell in cells:
             if progress is not None:
                 progress.status(f"{cell.preset} batch {cell.batch} {cell.phase} {cell.mode}")
-            if workers and workers["stock"].preset != cell.preset:
+            if workers and workers["stock"][0].preset != cell.preset:
                 stop_workers()
             g = torch.Generator(device="cpu").manual_seed(seed + cell.batch)
             length = prefill_len if cell.phase == "prefill" else PROMPT + warmup + steps
@@ -637,11 +672,14 @@ def run_e2e(presets: Sequence[str], batches: Sequence[int], modes: Sequence[str]
             try:
                 if not workers:
                     for v in ("stock", "patched"):
-                        workers[v] = _Worker(v, cell.preset, layers, device, seed, native_wait)
-                    ready = {v: w.result() for v, w in workers.items()}  # models built
-                    if ready["stock"][1] != ready["patched"][1]:
+                        workers[v] = [_Worker(v, cell.preset, layers, device, seed, native_wait,
+                                              v if processes == 1 else f"{v} {r + 1}")
+                                      for r in range(processes)]
+                    ready = [(w.variant, w.result()) for ws in workers.values() for w in ws]
+                    if len({str(digest) for _, (_, digest) in ready}) != 1:  # models built
                         raise RuntimeError("the workers built different weights from one seed")
-                    report.environment["launch_route"] = ready["patched"][0]
+                    report.environment["launch_route"] = next(
+                        route for v, (route, _) in ready if v == "patched")
                 _measure(workers, cell, stream, steps, warmup, device, references)
             except Exception as e:  # noqa: BLE001 - one failing cell is reported, not fatal
                 cell.error = str(e) if isinstance(e, WorkerError) else _error_line(e)
@@ -699,7 +737,9 @@ def render_e2e_markdown(report: E2EReport) -> str:
              + ", ".join(f"{k} {env[k]}" for k in ("gpu", "torch", "triton", "transformers",
                                                     "commit") if env.get(k))
              + (f"; launch route {env['launch_route']}" if env.get("launch_route") else "")
-             + "; stock and patched each in a process of its own", ""]
+             + ("; stock and patched each in a process of its own" if report.processes == 1
+                else f"; stock and patched each in {report.processes} processes of their own, "
+                "their times pooled"), ""]
     if not report.timed:
         lines += ["No CUDA device: a tiny model through Triton's interpreter, compiled with "
                   "dynamo's eager backend; correctness and graph counts only. Timing needs a "
@@ -729,7 +769,7 @@ def render_e2e_markdown(report: E2EReport) -> str:
 
 def write_e2e_json(report: E2EReport, path: str | os.PathLike) -> None:
     data = {"environment": report.environment, "layers": report.layers, "timed": report.timed,
-            "op_host_us": report.op_host_us,
+            "processes": report.processes, "op_host_us": report.op_host_us,
             "cells": [{**dataclasses.asdict(c), "speedup": c.speedup, "correct": c.correct}
                       for c in report.cells]}
     tmp = f"{path}.tmp"
@@ -804,7 +844,8 @@ def run_command(args, console, progress) -> int:
                          warmup=5 if timed else 2,
                          prefill_len=args.prefill_len if timed or args.prefill_len != 512
                          else 24, seed=args.seed, progress=progress, on_update=keep,
-                         native_wait=args.native_wait if timed else 0.0)
+                         native_wait=args.native_wait if timed else 0.0,
+                         processes=args.processes or (PROCESSES if timed else 1))
     keep(report)
     print(render_e2e_markdown(report))
     if args.plot:
