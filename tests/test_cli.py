@@ -551,12 +551,16 @@ class _FakeWorker:
     """A stand-in for an e2e worker process: answers the parent's requests from fixed
     figures (a step of ``wall`` ms, its host part half of it) and records them."""
 
+    log = []  # (variant, wall) of every generate() round, all stand-ins, in order
+
     def __init__(self, variant, wall, dev=0.0, graphs=1):
         self.variant, self.preset, self.wall = variant, "p", wall
         self.dev, self.graphs, self.calls, self._reply = dev, graphs, [], None
 
     def send(self, name, *args):
         self.calls.append((name, args[:3] if name == "block" else args[:2]))
+        if name == "generate_round":
+            self.log.append((self.variant, self.wall))
         if name == "reference":
             self._reply = ([torch.zeros(1, 4)] * 2, torch.zeros(1))  # logits, first token
         elif name == "block":
@@ -612,9 +616,14 @@ def test_e2e_several_processes_per_variant_take_turns_and_pool():
     every = [(s, min(2 + n, s + PREFILL_BLOCK)) for s in range(2, 2 + n, PREFILL_BLOCK)]
     assert got == [every[0::2], every[1::2]] and len(cell.stock_times) == n
 
-    cell, workers = run("decode", "generate", (1.0, 1.0, 0.9, 0.9))
+    _FakeWorker.log.clear()
+    cell, workers = run("decode", "generate", (1.0, 1.1, 0.9, 0.95))
     rounds = [sum(n == "generate_round" for n, _ in w.calls) for w in workers["patched"]]
     assert sum(rounds) == 15 and min(rounds) == 7
+    # the processes take the rounds in turn, and each process pair runs both orders
+    pairs = [_FakeWorker.log[i:i + 2] for i in range(0, 30, 2)]
+    assert [p[0][1] in (1.0, 0.9) for p in pairs] == [True, False] * 7 + [True]
+    assert [p[0][0] for p in pairs][:4] == ["stock", "stock", "patched", "patched"]
 
     # the second patched process runs 20% slower than the first: the interval shows it
     cell, _ = run("decode", "compile", (1.0, 1.0, 0.9, 1.08))

@@ -585,9 +585,10 @@ def _measure(workers: dict, cell: Cell, stream, steps, warmup, device,
         block = 1  # one round per variant at a time
         lo, hi = GENERATE_TOKENS
         for r in range(max(procs, GENERATE_ROUNDS) if device == "cuda" else 1):  # CPU: untimed
-            # Per round and variant, the per-token time; the variants' order alternates, so a
-            # drift of the host's speed within a round favours neither.
-            for v in variants if r % 2 == 0 else variants[::-1]:
+            # Per round and variant, the per-token time; the variants' order alternates (in
+            # each pair of processes), so a drift of the host's speed within a round favours
+            # neither.
+            for v in variants if (r // procs) % 2 == 0 else variants[::-1]:
                 times[v].append(workers[v][r % procs].call("generate_round", lo, hi, core))
     else:
         decode = cell.phase == "decode"
