@@ -690,6 +690,38 @@ def _decode(model, ids, cache, steps):
     return nxt
 
 
+def test_an_eager_decode_step_reads_the_running_offset_in_place():
+    # A patched layer's eager decode step passes the StaticCache's running offset itself as
+    # the op's one row: no arange (nor add) of its own, where the stock layer's update makes
+    # one per layer; the rows are the same, so are the tokens and caches (the tests above).
+    import collections
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[func.overloadpacket] += 1
+            return func(*args, **(kwargs or {}))
+
+    def aranges(model):
+        ids = _prompt(1)["input_ids"]
+        kw = {cache_kwarg(model): StaticCache(config=model.config, max_cache_len=8)}
+        with torch.no_grad():
+            nxt = model(ids, **kw, use_cache=True).logits[:, -1:].argmax(-1)
+            with Count() as count:
+                model(nxt, **kw, position_ids=torch.full_like(nxt, 6), use_cache=True)
+        return count.ops[torch.ops.aten.arange]
+
+    model = _tiny_qwen3(seed=3)
+    stock = aranges(model)
+    assert patch(model) == model.config.num_hidden_layers
+    assert aranges(model) == stock - model.config.num_hidden_layers
+
+
 _OVERFLOW = """
 import sys, torch, transformers
 from transformers import StaticCache

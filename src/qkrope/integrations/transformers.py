@@ -567,7 +567,13 @@ def _prologue(self, static: _Static, state: dict, query, key, value, cache):
         # only once the op has accepted the call.
         seq_len = key.shape[2]
         _check_room(layer, seq_len)
-        rows = torch.arange(seq_len, device=key.device) + layer.cumulative_length
+        if seq_len == 1 and not torch.compiler.is_compiling():
+            # An eager decode step's one row is the running offset itself, read by the op
+            # before the add_ below in stream order: two launches fewer a layer (arange, add).
+            # Compiled, Inductor folds both into the layer's bookkeeping kernel anyway.
+            rows = layer.cumulative_length.view(1)
+        else:
+            rows = torch.arange(seq_len, device=key.device) + layer.cumulative_length
         q_rot, k_rot = _op(self, static, query, key, value, positions, layer.keys,
                            layer.values, rows, inv_freq, options)
         layer.cumulative_length.add_(seq_len)
