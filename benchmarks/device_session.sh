@@ -11,14 +11,14 @@
 #   bash benchmarks/device_session.sh sweep      # --sweep vs torch.compile, 96/8 and 32/8 heads
 #   bash benchmarks/device_session.sh presets    # sweeps: qwen3-32b, qwen3-vl-8b, qwen3.5-27b
 #   bash benchmarks/device_session.sh e2e [PRESET [ARGS]] # qkrope bench --e2e: the model, stock vs
-#                                                  # patched (H100, one process per variant:
-#                                                  # qwen3-8b ~5 min, 32b and 3.5-27b ~7; two, the
-#                                                  # default, add decode timing, not yet measured);
-#                                                  # ARGS pass on (e.g. --modes reduce-overhead
-#                                                  # --phases decode --batch 1: one cell)
-#   bash benchmarks/device_session.sh tests-e2e [PRESET] # the GPU tests (xdist), then e2e, in
-#                                                  # one call (~9 min): after a change of the
-#                                                  # op or the integration
+#                                                  # patched (H100, two processes per variant:
+#                                                  # qwen3-8b 324 s, qwen3-32b 353, qwen3.5-27b
+#                                                  # 374); ARGS pass on (e.g. --modes
+#                                                  # reduce-overhead --phases decode --batch 1)
+#   bash benchmarks/device_session.sh tests-e2e [PRESET] # the GPU tests (xdist, ~3 min), then
+#                                                  # e2e, in one call: after a change of the op
+#                                                  # or the integration (qwen3-8b only: the
+#                                                  # others pass the 600 s a call may take)
 #   bash benchmarks/device_session.sh quant      # qkrope only, bf16 vs each quantised mode, both layouts (~3 min)
 #   bash benchmarks/device_session.sh tiles      # tile sweep on the mid-size workloads
 #   bash benchmarks/device_session.sh small-tiles # one head per program vs tiles, 1-64 tokens, 5 models

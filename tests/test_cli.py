@@ -542,9 +542,37 @@ def test_e2e_timing_pins_a_thread_to_one_core_and_back():
 
 def test_e2e_usage_errors(capsys):
     for argv, what in ((["--model", "qwen3-coder-480b"], "--e2e --model"),
-                       (["--layout", "paged"], "do not apply")):
+                       (["--layout", "paged"], "do not apply"),
+                       (["--rescore", "/nonexistent/e2e.json"], "--rescore /nonexistent"),
+                       (["--rescore", "x.json", "--batch", "1"], "--batch do not apply")):
         rc, _, err = run(["bench", "--e2e", *argv], capsys)
         assert rc == 2 and what in err
+
+
+def test_e2e_rescore_reads_a_saved_run_with_todays_statistics(tmp_path, capsys):
+    # `qkrope bench --rescore FILE` runs nothing: it rebuilds a saved run's table from the
+    # step times in its JSON, so a committed result reads as today's statistics report it.
+    # Here a file whose figures (as written then) are stale: the table and the new JSON carry
+    # the block medians; an untimed cell (an error) passes through.
+    from qkrope.bench.e2e import Cell, E2EReport, block_median, write_e2e_json
+
+    stock = [4.7, 4.3] * 6
+    patched = [4.65, 4.25] * 6
+    timed = Cell("qwen3-8b", 1, "prefill", "compile", stock_ms=9.0, patched_ms=9.0,
+                 stock_times=stock, patched_times=patched, stock_dev=0.1, patched_dev=0.05,
+                 allowed_dev=0.3, graphs=2, graph_breaks=0, recompiles_after_warmup=0)
+    failed = Cell("qwen3-8b", 1, "decode", "eager", error="CUDA error: out of memory")
+    src, dst = tmp_path / "run.json", tmp_path / "rescored.json"
+    write_e2e_json(E2EReport(environment={"gpu": "NVIDIA H100", "torch": "2.11"}, layers=4,
+                             timed=True, cells=[timed, failed]), src)
+    rc, out, err = run(["bench", "--rescore", str(src), "--json", str(dst)], capsys)
+    assert rc == 1, (out, err)  # the failed cell
+    ratio = block_median(stock, 2) / block_median(patched, 2)
+    assert f"| 4.500 | 4.450 | {ratio:.2f}×" in out and "gpu NVIDIA H100" in out
+    assert "error: CUDA error: out of memory" in out
+    cells = json.loads(dst.read_text())["cells"]
+    assert cells[0]["block"] == 2 and cells[0]["speedup"] == pytest.approx(ratio)
+    assert cells[0]["correct"] is True and cells[1]["stock_ms"] is None
 
 
 class _FakeWorker:
@@ -659,9 +687,39 @@ def test_e2e_speedup_interval_brackets_the_ratio_and_widens_with_noise():
     # Two processes per variant (run k in process k % 2): one process of patched ran slower
     # for its whole life; resampled by process first, the interval holds both processes'
     # ratios, where resampled by runs alone it would not.
-    slow = [p * (1.1 if (i // 5) % 2 else 1.0) for i, p in enumerate(patched)]
-    lo5, hi5 = speedup_interval(stock, slow, block=5, processes=2)
-    lo6, hi6 = speedup_interval(stock, slow, block=5)
-    assert lo5 < lo6 and hi6 <= hi5
+    slow = [p * (1.1 if (i // 2) % 2 else 1.0) for i, p in enumerate(patched)]
+    lo5, hi5 = speedup_interval(stock, slow, block=2, processes=2)
+    lo6, hi6 = speedup_interval(stock, slow, block=2)
+    assert lo5 < lo6 and hi6 < hi5 and lo5 < 1.25 / 1.1 and hi5 > 1.25
     assert speedup_interval(stock, stock, block=5, processes=2) == (1.0, 1.0)
     assert speedup_interval(stock, slow, block=5, processes=4) is None  # 2 runs a process
+
+
+def test_e2e_figure_is_the_median_of_block_medians():
+    # Prefills run in blocks of 2 per variant, and the first of a block pays for the switch
+    # from the other variant (~8% here, both variants alike): the pooled steps are bimodal,
+    # half and half, and their median falls in the gap, set by the slowest settled step and
+    # the fastest switching one. Patched is 1% faster at both positions of every block; one
+    # settled patched step was slow. The pooled medians read patched slower; each block's
+    # median (of 2: their mean), then the median over blocks, reads the 1%, and the interval
+    # resamples the same blocks.
+    import statistics
+
+    from qkrope.bench.e2e import block_median, speedup_interval
+
+    stock, patched = [], []
+    for k in range(10):
+        jitter = 0.002 * k
+        stock += [4.70 + jitter, 4.30 + jitter]
+        patched += [(4.70 + jitter) / 1.01, (4.30 + jitter) / 1.01]
+    patched[9] = 4.50  # block 5's settled step: a burst
+    stock[10] = 4.52   # block 6's switching step: the fastest of stock's
+    assert statistics.median(stock) / statistics.median(patched) < 1.0
+    point = block_median(stock, 2) / block_median(patched, 2)
+    assert point == pytest.approx(1.01, abs=2e-3)
+    lo, hi = speedup_interval(stock, patched, block=2)
+    assert lo <= point <= hi and lo > 1.0
+    assert block_median([3.0, 1.0, 2.0], 1) == 2.0  # one step a block: the plain median
+    assert block_median([1.0, 3.0, 5.0, 9.0, 4.0], 2) == 4.0  # (2, 7, 4): a short last block
+    # blocks of 10 (decode): a block's slow first step (the switch) does not move its median
+    assert block_median([9.0] + [1.0] * 9 + [9.0] + [2.0] * 9 + [9.0] + [3.0] * 9, 10) == 2.0

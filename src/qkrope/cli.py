@@ -241,6 +241,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="worker processes per variant, timed in turn, their times pooled: "
                         "a process's host runs at a speed of its own (default 2 on a GPU, "
                         "1 without)")
+    e.add_argument("--rescore", metavar="PATH",
+                   help="run nothing: read a --json file of an earlier --e2e run and print "
+                        "its table with this version's statistics, from its stored step times "
+                        "(--json, --plot write it again)")
 
     i = sub.add_parser("info", help="versions, GPU, Triton interpreter state and which launch "
                                         "route is active, and why",
@@ -374,7 +378,18 @@ def _bench_e2e(args) -> int:
     if args.shape or args.sweep or args.layout != "bhsd" or args.impl:
         raise UsageError("--e2e runs whole models: --shape, --sweep, --layout and --impl do "
                          "not apply")
-    _check_paths(args, torch.cuda.is_available())
+    if args.rescore:
+        run = [opt for opt, given in (
+            ("--model", args.model is not None), ("--batch", args.batch is not None),
+            ("--modes", args.modes is not None), ("--phases", args.phases is not None),
+            ("--layers", args.layers != 4), ("--steps", args.steps != STEPS),
+            ("--prefill-len", args.prefill_len != 512),
+            ("--processes", args.processes is not None)) if given]
+        if run:
+            raise UsageError(f"--rescore reads a finished run: {', '.join(run)} do not apply")
+        if not os.path.isfile(args.rescore):
+            raise UsageError(f"--rescore {args.rescore}: no such file")
+    _check_paths(args, torch.cuda.is_available() or bool(args.rescore))
     err = Console(stderr=True)
     return run_command(args, err, ProgressBar(err))
 
@@ -382,7 +397,7 @@ def _bench_e2e(args) -> int:
 def _bench(args) -> int:
     if args.list:
         return _bench_list()
-    if args.e2e:
+    if args.e2e or args.rescore:
         return _bench_e2e(args)
     args.model = args.model or "qwen3-coder-480b"
     import torch

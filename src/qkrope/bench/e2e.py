@@ -15,7 +15,8 @@ design.md, "End-to-end bench"); two per variant on a GPU (:data:`PROCESSES`), th
 pooled, as one process's host runs at a speed of its own. The parent sets all up side by side
 (compiles, untimed), then times them in alternating blocks of steps (:data:`BLOCK`), one
 process on the GPU at a time and all on one core, so a drift of the machine's speed hits both
-variants alike. Beside each speed-up (the ratio of the median times), a 95% interval from
+variants alike. A variant's figure is the median over its blocks of each block's median
+step time (:func:`block_median`); beside each speed-up (the ratio of those), a 95% interval from
 resampling the processes and the pairs of blocks (:func:`speedup_interval`): a cell whose
 interval holds 1.0 is a tie within this run's noise.
 
@@ -43,7 +44,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 __all__ = ["PRESETS", "MODES", "PHASES", "E2EReport", "run_e2e", "render_e2e_markdown",
-           "speedup_interval", "write_e2e_json", "write_e2e_plot", "run_command"]
+           "block_median", "speedup_interval", "write_e2e_json", "read_e2e_json",
+           "write_e2e_plot", "run_command"]
 
 VOCAB = 32000  # every preset: the lm_head is a constant of both models, kept small
 TINY_VOCAB = 256  # the CPU path's tiny model
@@ -94,14 +96,14 @@ class Cell:
     batch: int
     phase: str
     mode: str
-    stock_ms: float | None = None
+    stock_ms: float | None = None    # ms a step, block_median of the timed steps
     patched_ms: float | None = None
-    # median ms of a step's host part: from the call until the forward returned, before the
-    # synchronisation (guards, Python, launches or a CUDA-graph replay's launch); the rest of
-    # a step is GPU time the host waited for (None for generate(): its loop is one call)
+    # ms of a step's host part (block_median): from the call until the forward returned,
+    # before the synchronisation (guards, Python, launches or a CUDA-graph replay's launch);
+    # the rest of a step is GPU time the host waited for (None for generate(): one call)
     stock_host_ms: float | None = None
     patched_host_ms: float | None = None
-    # 95% interval of the speed-up: the ratio of medians over resampled pairs of blocks
+    # 95% interval of the speed-up: the ratio of block medians over resampled pairs of blocks
     speedup_interval: tuple[float, float] | None = None
     stock_dev: float | None = None     # max |logit - stock eager logit| of the stock model
     patched_dev: float | None = None   # ... of the patched model
@@ -116,6 +118,7 @@ class Cell:
     patched_times: list[float] | None = None
     stock_host_times: list[float] | None = None  # each timed step's host part, the same order
     patched_host_times: list[float] | None = None
+    block: int | None = None  # the times' run length per variant (BLOCK, PREFILL_BLOCK or 1)
 
     @property
     def speedup(self) -> float | None:
@@ -293,24 +296,37 @@ def _generate(model, prompt, device: str, compiled: bool, n: int):
             out.sequences[:, prompt.shape[1]].clone())
 
 
+def block_median(times: Sequence[float], block: int = 1) -> float:
+    """A variant's figure for a cell: the median over its blocks (runs of ``block`` times in
+    run order, as timed) of each block's median. The first step of a block pays for the
+    switch from the other variant and runs slower in both (docs/design.md, "End-to-end
+    bench"): in blocks of 2 prefills half the steps are such, and the median of the pooled
+    steps fell between the two modes, set by the slowest settled and the fastest switching
+    step alone; a block's median (of 2, their mean) takes both, a decode block's (of 10)
+    leaves the switch out, as the pooled median did."""
+    return statistics.median(statistics.median(times[i:i + block])
+                             for i in range(0, len(times), block))
+
+
 def speedup_interval(stock: Sequence[float], patched: Sequence[float], block: int = 1,
                      resamples: int = 2000, level: float = 0.95,
                      processes: int = 1) -> tuple[float, float] | None:
-    """Percentile bootstrap interval of ``median(stock) / median(patched)``. The i-th times of
-    both variants ran close in time (in one pair of blocks, or one round of generate()), so
-    pairs are resampled together: a drift of the machine's speed moves both. ``block``: the
-    pairs were timed in runs of this many per variant, and are resampled by those runs: a
-    burst of another tenant's host load slows a whole run of one variant, so its steps are
-    not independent draws (docs/design.md, "End-to-end bench"). ``processes``: each variant
-    ran in this many worker processes, run ``k`` in its ``k % processes``-th; a process's host
-    runs at a speed of its own for its whole life, so the processes are resampled first
-    (stock's ``r``-th with patched's ``r``-th), then the runs within each. None under 3 runs
-    (per process)."""
+    """Percentile bootstrap interval of ``block_median(stock) / block_median(patched)``. The
+    i-th times of both variants ran close in time (in one pair of blocks, or one round of
+    generate()), so pairs are resampled together: a drift of the machine's speed moves both.
+    ``block``: the pairs were timed in runs of this many per variant, and are resampled by
+    those runs: a burst of another tenant's host load slows a whole run of one variant, so its
+    steps are not independent draws (docs/design.md, "End-to-end bench"). ``processes``: each
+    variant ran in this many worker processes, run ``k`` in its ``k % processes``-th; a
+    process's host runs at a speed of its own for its whole life, so the processes are
+    resampled first (stock's ``r``-th with patched's ``r``-th), then the runs within each.
+    None under 3 runs (per process)."""
     import random
 
     n = min(len(stock), len(patched))
-    runs = [range(i, min(n, i + block)) for i in range(0, n, block)]
-    by_process = [runs[r::processes] for r in range(processes)]
+    per_run = [(statistics.median(stock[i:min(n, i + block)]),
+                statistics.median(patched[i:min(n, i + block)])) for i in range(0, n, block)]
+    by_process = [per_run[r::processes] for r in range(processes)]
     if min(len(r) for r in by_process) < 3:
         return None
     rng = random.Random(0)  # the same data gives the same interval
@@ -318,9 +334,9 @@ def speedup_interval(stock: Sequence[float], patched: Sequence[float], block: in
     for _ in range(resamples):
         picked = by_process if processes == 1 else \
             [by_process[rng.randrange(processes)] for _ in range(processes)]
-        idx = [i for own in picked for _ in own for i in own[rng.randrange(len(own))]]
-        ratios.append(statistics.median(stock[i] for i in idx) /
-                      statistics.median(patched[i] for i in idx))
+        pairs = [own[rng.randrange(len(own))] for own in picked for _ in own]
+        ratios.append(statistics.median(s for s, _ in pairs) /
+                      statistics.median(p for _, p in pairs))
     ratios.sort()
     tail = (1 - level) / 2
     return ratios[int(tail * resamples)], ratios[min(resamples - 1, int((1 - tail) * resamples))]
@@ -604,13 +620,11 @@ def _measure(workers: dict, cell: Cell, stream, steps, warmup, device,
                     times[v].append(wall)
                     hosts[v].append(host)
     last = {v: [w.call("finish") for w in workers[v]] for v in variants}
-    cell.stock_ms, cell.patched_ms = (statistics.median(times[v]) for v in variants)
+    cell.block = block
     cell.stock_times, cell.patched_times = (times[v] for v in variants)
     if not generate:
-        cell.stock_host_ms, cell.patched_host_ms = (statistics.median(hosts[v]) for v in variants)
         cell.stock_host_times, cell.patched_host_times = (hosts[v] for v in variants)
-    cell.speedup_interval = speedup_interval(times["stock"], times["patched"], block,
-                                             processes=procs)
+    _score(cell, procs)
     # generate(): compare the first decode step (the one compiled) where every process chose
     # the reference's first token; where a near-tie of random weights made one choose another,
     # that step's inputs differ, so the prompt step (eager in generate) is compared instead.
@@ -629,6 +643,19 @@ def _measure(workers: dict, cell: Cell, stream, steps, warmup, device,
         # processes had, stock + patched
         cell.graphs, cell.graph_breaks, cell.recompiles_after_warmup = (
             sum(max(f[k] for f in last[v]) for v in variants) for k in (2, 3, 4))
+
+
+def _score(cell: Cell, processes: int) -> None:
+    """A cell's figures from its timed steps: ms per step (:func:`block_median`), host ms
+    likewise, and the speed-up's interval (:func:`speedup_interval`)."""
+    block = cell.block or 1
+    cell.stock_ms, cell.patched_ms = (block_median(t, block)
+                                      for t in (cell.stock_times, cell.patched_times))
+    if cell.stock_host_times and cell.patched_host_times:
+        cell.stock_host_ms, cell.patched_host_ms = (
+            block_median(t, block) for t in (cell.stock_host_times, cell.patched_host_times))
+    cell.speedup_interval = speedup_interval(cell.stock_times, cell.patched_times, block,
+                                             processes=processes)
 
 
 def run_e2e(presets: Sequence[str], batches: Sequence[int], modes: Sequence[str],
@@ -740,7 +767,9 @@ def render_e2e_markdown(report: E2EReport) -> str:
              + (f"; launch route {env['launch_route']}" if env.get("launch_route") else "")
              + ("; stock and patched each in a process of its own" if report.processes == 1
                 else f"; stock and patched each in {report.processes} processes of their own, "
-                "their times pooled"), ""]
+                "their times pooled")
+             + ("; ms: the median over a variant's blocks of each block's median" if
+                report.timed else ""), ""]
     if not report.timed:
         lines += ["No CUDA device: a tiny model through Triton's interpreter, compiled with "
                   "dynamo's eager backend; correctness and graph counts only. Timing needs a "
@@ -777,6 +806,29 @@ def write_e2e_json(report: E2EReport, path: str | os.PathLike) -> None:
     with open(tmp, "w") as f:
         json.dump(data, f, indent=1, default=str)
     os.replace(tmp, path)
+
+
+def read_e2e_json(path: str | os.PathLike) -> E2EReport:
+    """The report a ``--json`` file of :func:`write_e2e_json` holds, each timed cell's figures
+    recomputed from its stored step times by this version's statistics (:func:`_score`), so a
+    committed run reads as today's protocol would report it. A file written before cells kept
+    their ``block`` takes the run lengths of today's protocol (decode :data:`BLOCK`, prefill
+    :data:`PREFILL_BLOCK`, ``generate`` 1), which runs from commit 8e03c68 on used (earlier
+    ones timed prefills in blocks of 10: their prefill figures would be read wrongly)."""
+    with open(path) as f:
+        data = json.load(f)
+    names = {f.name for f in dataclasses.fields(Cell)}
+    report = E2EReport(environment=data["environment"], layers=data["layers"],
+                       timed=data["timed"], op_host_us=data.get("op_host_us") or {},
+                       processes=data.get("processes", 1))
+    for raw in data["cells"]:
+        cell = Cell(**{k: v for k, v in raw.items() if k in names})
+        if cell.stock_times and cell.patched_times:
+            cell.block = cell.block or (1 if cell.mode == "generate" else
+                                        BLOCK if cell.phase == "decode" else PREFILL_BLOCK)
+            _score(cell, report.processes)
+        report.cells.append(cell)
+    return report
 
 
 def write_e2e_plot(report: E2EReport, path: str) -> None:
@@ -819,6 +871,9 @@ def write_e2e_plot(report: E2EReport, path: str) -> None:
 def run_command(args, console, progress) -> int:
     """``qkrope bench --e2e`` once its arguments are checked (``cli.py``): runs, prints the
     table, writes ``--json``/``--plot``; exit status 1 when a cell fails or errs."""
+    if args.rescore:
+        report = read_e2e_json(args.rescore)
+        return _finish(args, console, report, report.timed)
     timed = torch.cuda.is_available()
     presets = [args.model] if args.model else list(PRESETS)
     if not timed:
@@ -848,6 +903,13 @@ def run_command(args, console, progress) -> int:
                          native_wait=args.native_wait if timed else 0.0,
                          processes=args.processes or (PROCESSES if timed else 1))
     keep(report)
+    return _finish(args, console, report, timed)
+
+
+def _finish(args, console, report: E2EReport, timed: bool) -> int:
+    """Print the table, write ``--json`` (once more) and ``--plot``; the exit status."""
+    if args.json and args.rescore:
+        write_e2e_json(report, args.json)
     print(render_e2e_markdown(report))
     if args.plot:
         if timed:
