@@ -615,7 +615,7 @@ def test_e2e_several_processes_per_variant_take_turns_and_pool():
     # blocks go to the processes in turn, the times are pooled, and the interval resamples
     # the processes: a process whose host is slower than its twin's widens it. Deviations and
     # graph counts are the worst of a variant's processes.
-    from qkrope.bench.e2e import BLOCK, PREFILL_BLOCK, Cell, _measure, prefill_steps
+    from qkrope.bench.e2e import BLOCK, PREFILL_BLOCK, PREFILL_MOST, Cell, _measure, prefill_steps
 
     def run(phase, mode, walls):
         workers = {"stock": [_FakeWorker("stock", walls[0]), _FakeWorker("stock", walls[1])],
@@ -638,11 +638,17 @@ def test_e2e_several_processes_per_variant_take_turns_and_pool():
     assert [n for n, _ in workers["stock"][0].calls].count("reference") == 1
     assert "reference" not in [n for n, _ in workers["stock"][1].calls]
 
+    # prefills of 1 ms: blocks while under the time budget, up to PREFILL_MOST
     cell, workers = run("prefill", "eager", (1.0, 1.0, 0.9, 0.9))
-    n = prefill_steps(40)
     got = [[args[:2] for name, args in w.calls if name == "block"] for w in workers["stock"]]
-    every = [(s, min(2 + n, s + PREFILL_BLOCK)) for s in range(2, 2 + n, PREFILL_BLOCK)]
-    assert got == [every[0::2], every[1::2]] and len(cell.stock_times) == n
+    every = [(s, s + PREFILL_BLOCK) for s in range(2, 2 + PREFILL_MOST, PREFILL_BLOCK)]
+    assert got == [every[0::2], every[1::2]] and len(cell.stock_times) == PREFILL_MOST
+    # prefills of 600 ms: the fewest (prefill_steps), rounded up to whole turns of blocks
+    cell, workers = run("prefill", "compile", (600.0, 600.0, 590.0, 590.0))
+    n = prefill_steps(40)  # 13: 7 blocks, then an 8th for the second process's 4th
+    assert len(cell.stock_times) == len(cell.patched_times) == 16 and n == 13
+    assert [len([1 for name, _ in w.calls if name == "block"]) for w in workers["patched"]] == \
+        [4, 4]
 
     _FakeWorker.log.clear()
     cell, workers = run("decode", "generate", (1.0, 1.1, 0.9, 0.95))

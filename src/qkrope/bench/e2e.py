@@ -79,6 +79,13 @@ STEPS = 150
 #: cell: prefill blocks are short (docs/design.md, "End-to-end bench").
 BLOCK = 10
 PREFILL_BLOCK = 2
+#: Timed prefills per cell and variant on a GPU: :func:`prefill_steps`, then more blocks while
+#: the variant's timed prefills total under PREFILL_BUDGET_MS, up to PREFILL_MOST. A batch-1
+#: prefill (2-5 ms) costs what a decode step does, and on 20 its compiled cells, GPU ties
+#: within 1-2%, read 0.98-1.03x from run to run (docs/design.md, "End-to-end bench"); a
+#: batch-64 prefill (90-250 ms) stays at 20.
+PREFILL_BUDGET_MS = 1000.0
+PREFILL_MOST = 100
 #: Worker processes per variant on a GPU: one process's host runs at a speed of its own for
 #: its life (processes of one variant on one core: 3-7% apart in the host part of a CUDA-graph
 #: step, 0.6-1.6% in its wall time), as large as what separates the variants in the CUDA-graph
@@ -191,8 +198,9 @@ def _counters() -> tuple[int, int]:
 
 
 def prefill_steps(steps: int) -> int:
-    """Timed prefills per cell and variant for ``steps`` decode steps: a third, from 4 to 20
-    (a prefill costs 2-250 ms; 20 in blocks of :data:`PREFILL_BLOCK` gave ±1-2%)."""
+    """The fewest timed prefills per cell and variant for ``steps`` decode steps: a third,
+    from 4 to 20 (a prefill costs 2-250 ms; 20 in blocks of :data:`PREFILL_BLOCK` gave ±1-2%
+    at batch 8 and 64; cheaper ones run more: :data:`PREFILL_BUDGET_MS`)."""
     return max(4, min(20, steps // 3))
 
 
@@ -607,18 +615,26 @@ def _measure(workers: dict, cell: Cell, stream, steps, warmup, device,
             for v in variants if (r // procs) % 2 == 0 else variants[::-1]:
                 times[v].append(workers[v][r % procs].call("generate_round", lo, hi, core))
     else:
-        decode = cell.phase == "decode"
-        n = warmup + steps if decode else first_timed + max(procs, prefill_steps(steps))
-        block = BLOCK if decode else PREFILL_BLOCK
-        runs = [(start, min(n, start + block)) for start in range(first_timed, n, block)]
-        # (start, stop, process): decode, every block in every process; prefill, in turn
-        turns = [(a, b, r) for a, b in runs for r in range(procs)] if decode else \
-            [(a, b, k % procs) for k, (a, b) in enumerate(runs)]
-        for start, stop, r in turns:
+        def run_block(start: int, stop: int, r: int) -> None:
             for v in variants:
                 for wall, host in workers[v][r].call("block", start, stop, core):
                     times[v].append(wall)
                     hosts[v].append(host)
+
+        if cell.phase == "decode":  # every block in every process
+            block, n = BLOCK, warmup + steps
+            for start in range(first_timed, n, block):
+                for r in range(procs):
+                    run_block(start, min(n, start + block), r)
+        else:  # prefills, each on its own: blocks go to the processes in turn
+            block, k = PREFILL_BLOCK, 0
+            least = max(procs, prefill_steps(steps))
+            most = max(least, PREFILL_MOST) if device == "cuda" else least
+            while k * block < least or k % procs or (
+                    k * block < most and sum(times["stock"]) < PREFILL_BUDGET_MS):
+                start = first_timed + k * block
+                run_block(start, start + block, k % procs)
+                k += 1
     last = {v: [w.call("finish") for w in workers[v]] for v in variants}
     cell.block = block
     cell.stock_times, cell.patched_times = (times[v] for v in variants)
