@@ -573,6 +573,11 @@ def test_e2e_rescore_reads_a_saved_run_with_todays_statistics(tmp_path, capsys):
     cells = json.loads(dst.read_text())["cells"]
     assert cells[0]["block"] == 2 and cells[0]["speedup"] == pytest.approx(ratio)
     assert cells[0]["correct"] is True and cells[1]["stock_ms"] is None
+    # a JSON of another command, or no JSON at all: refused, naming the argument
+    for text in ('{"workloads": []}', "not json"):
+        (tmp_path / "other.json").write_text(text)
+        rc, _, err = run(["bench", "--rescore", str(tmp_path / "other.json")], capsys)
+        assert rc == 2 and "--rescore" in err and "qkrope bench --e2e --json" in err, err
 
 
 class _FakeWorker:

@@ -371,7 +371,7 @@ def _bench_e2e(args) -> int:
     import torch
     from rich.console import Console
 
-    from .bench.e2e import run_command
+    from .bench.e2e import read_e2e_json, run_command
 
     if args.model is not None and args.model not in PRESETS:
         raise UsageError(f"--e2e --model: one of {', '.join(PRESETS)}, got {args.model!r}")
@@ -389,7 +389,13 @@ def _bench_e2e(args) -> int:
             raise UsageError(f"--rescore reads a finished run: {', '.join(run)} do not apply")
         if not os.path.isfile(args.rescore):
             raise UsageError(f"--rescore {args.rescore}: no such file")
-    _check_paths(args, torch.cuda.is_available() or bool(args.rescore))
+        try:
+            saved = read_e2e_json(args.rescore)
+        except ValueError as e:
+            raise UsageError(f"--rescore {args.rescore}: {e}") from None
+        _check_paths(args, saved.timed)
+        return run_command(args, Console(stderr=True), None, saved)
+    _check_paths(args, torch.cuda.is_available())
     err = Console(stderr=True)
     return run_command(args, err, ProgressBar(err))
 

@@ -830,15 +830,20 @@ def read_e2e_json(path: str | os.PathLike) -> E2EReport:
     committed run reads as today's protocol would report it. A file written before cells kept
     their ``block`` takes the run lengths of today's protocol (decode :data:`BLOCK`, prefill
     :data:`PREFILL_BLOCK`, ``generate`` 1), which runs from commit 8e03c68 on used (earlier
-    ones timed prefills in blocks of 10: their prefill figures would be read wrongly)."""
-    with open(path) as f:
-        data = json.load(f)
-    names = {f.name for f in dataclasses.fields(Cell)}
-    report = E2EReport(environment=data["environment"], layers=data["layers"],
-                       timed=data["timed"], op_host_us=data.get("op_host_us") or {},
-                       processes=data.get("processes", 1))
-    for raw in data["cells"]:
-        cell = Cell(**{k: v for k, v in raw.items() if k in names})
+    ones timed prefills in blocks of 10: their prefill figures would be read wrongly).
+    ValueError: not such a file."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        names = {f.name for f in dataclasses.fields(Cell)}
+        report = E2EReport(environment=data["environment"], layers=data["layers"],
+                           timed=data["timed"], op_host_us=data.get("op_host_us") or {},
+                           processes=data.get("processes", 1))
+        cells = [Cell(**{k: v for k, v in raw.items() if k in names}) for raw in data["cells"]]
+    except (ValueError, KeyError, TypeError, AttributeError) as e:  # (JSONDecodeError too)
+        raise ValueError(f"not the JSON of `qkrope bench --e2e --json` ({type(e).__name__}: "
+                         f"{e})") from None
+    for cell in cells:
         if cell.stock_times and cell.patched_times:
             cell.block = cell.block or (1 if cell.mode == "generate" else
                                         BLOCK if cell.phase == "decode" else PREFILL_BLOCK)
@@ -884,12 +889,12 @@ def write_e2e_plot(report: E2EReport, path: str) -> None:
     plt.close(fig)
 
 
-def run_command(args, console, progress) -> int:
-    """``qkrope bench --e2e`` once its arguments are checked (``cli.py``): runs, prints the
-    table, writes ``--json``/``--plot``; exit status 1 when a cell fails or errs."""
-    if args.rescore:
-        report = read_e2e_json(args.rescore)
-        return _finish(args, console, report, report.timed)
+def run_command(args, console, progress, saved: E2EReport | None = None) -> int:
+    """``qkrope bench --e2e`` once its arguments are checked (``cli.py``): runs (or takes the
+    ``saved`` report of ``--rescore``), prints the table, writes ``--json``/``--plot``; exit
+    status 1 when a cell fails or errs."""
+    if saved is not None:
+        return _finish(args, console, saved, saved.timed)
     timed = torch.cuda.is_available()
     presets = [args.model] if args.model else list(PRESETS)
     if not timed:
@@ -924,7 +929,7 @@ def run_command(args, console, progress) -> int:
 
 def _finish(args, console, report: E2EReport, timed: bool) -> int:
     """Print the table, write ``--json`` (once more) and ``--plot``; the exit status."""
-    if args.json and args.rescore:
+    if args.json and args.rescore:  # (a run wrote it as it went)
         write_e2e_json(report, args.json)
     print(render_e2e_markdown(report))
     if args.plot:
