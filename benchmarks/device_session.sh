@@ -37,9 +37,10 @@
 #   bash benchmarks/device_session.sh e2e-ab SRC [ARGS] # e2e cells, another tree's src/ (e.g. a
 #                                                  # carried `git archive REV src` copy) against
 #                                                  # the working tree, alternating (~5 min)
-#   bash benchmarks/device_session.sh bound [PRESET] # e2e_profile stock, patched and free (a
-#                                                  # prologue reduced to the K/V copy), kernels
-#                                                  # by name: what any prologue could gain (~2 min)
+#   bash benchmarks/device_session.sh bound [PRESET [CELLS]] # e2e_profile stock, patched and
+#                                                  # free (a prologue reduced to the K/V copy),
+#                                                  # kernels by name: what any prologue could
+#                                                  # gain (~2 min); CELLS: mode:batch:phase,...
 #   bash benchmarks/device_session.sh carried STEP [ARGS] # STEP under a Triton packed by
 #                                                  # benchmarks/carry_triton.sh (its header)
 #   bash benchmarks/device_session.sh route-check # tests and host figures behind a verified
@@ -172,8 +173,9 @@ case "${1:-tests}" in
              --json "$OUT/small-tiles-$m.json" 2>&1 | tee "$OUT/small-tiles-$m.md"
          done ;;
   bound) # docs/perf-notes.md, lead 7: stock ÷ free is the most a prologue could gain per cell
+    cells=${3:-eager:1:decode,compile:1:decode,reduce-overhead:1:decode,reduce-overhead:8:decode}
     timeout 300 python3 benchmarks/e2e_profile.py --model "${2:-qwen3-8b}" --variants \
-      stock,patched,free --cells eager:1:decode,compile:1:decode,reduce-overhead:1:decode,reduce-overhead:8:decode \
+      stock,patched,free --cells "$cells" \
       --top 40 --json "$OUT/bound.json" > "$OUT/bound.md" 2>&1; echo "bound rc=$?"
     grep -E "^###|^\| " "$OUT/bound.md" ;;
   carried) # Triton packed by benchmarks/carry_triton.sh: the earlier calls' parts in /tmp, the
