@@ -570,6 +570,8 @@ def test_e2e_rescore_reads_a_saved_run_with_todays_statistics(tmp_path, capsys):
     ratio = block_median(stock, 2) / block_median(patched, 2)
     assert f"| 4.500 | 4.450 | {ratio:.2f}×" in out and "gpu NVIDIA H100" in out
     assert "error: CUDA error: out of memory" in out
+    assert "Speed-up ≥ 1.0 in 1 of 1 timed cells; 95% intervals: 1 wholly above 1.0, 0 holding" \
+        in out
     cells = json.loads(dst.read_text())["cells"]
     assert cells[0]["block"] == 2 and cells[0]["speedup"] == pytest.approx(ratio)
     assert cells[0]["correct"] is True and cells[1]["stock_ms"] is None

@@ -806,6 +806,14 @@ def render_e2e_markdown(report: E2EReport) -> str:
                      f"{_host(c)} | {_f(c.stock_dev, '{:.3g}')}"
                      f" / {_f(c.patched_dev, '{:.3g}')} ({_f(c.allowed_dev, '{:.3g}')}) | "
                      f"{verdict} | {graphs} |")
+    timed = [c for c in report.cells if c.speedup is not None and c.speedup_interval]
+    if timed:
+        above = sum(c.speedup_interval[0] > 1.0 for c in timed)
+        below = sum(c.speedup_interval[1] < 1.0 for c in timed)
+        lines += ["", f"Speed-up ≥ 1.0 in {sum(c.speedup >= 1.0 for c in timed)} of "
+                  f"{len(timed)} timed cells; 95% intervals: {above} wholly above 1.0, "
+                  f"{len(timed) - above - below} holding it (a tie within this run's noise), "
+                  f"{below} wholly below."]
     if report.op_host_us:
         h = report.op_host_us
         lines += ["", "Host µs per call of the op (decode #1, outputs given), same process: "
