@@ -312,8 +312,12 @@ def block_median(times: Sequence[float], block: int = 1) -> float:
     steps fell between the two modes, set by the slowest settled and the fastest switching
     step alone; a block's median (of 2, their mean) takes both, a decode block's (of 10)
     leaves the switch out, as the pooled median did."""
-    return statistics.median(statistics.median(times[i:i + block])
-                             for i in range(0, len(times), block))
+    return statistics.median(_run_medians(times, block))
+
+
+def _run_medians(times: Sequence[float], block: int) -> list[float]:
+    """Each run's median: ``times`` cut into runs of ``block`` in run order."""
+    return [statistics.median(times[i:i + block]) for i in range(0, len(times), block)]
 
 
 def speedup_interval(stock: Sequence[float], patched: Sequence[float], block: int = 1,
@@ -332,8 +336,7 @@ def speedup_interval(stock: Sequence[float], patched: Sequence[float], block: in
     import random
 
     n = min(len(stock), len(patched))
-    per_run = [(statistics.median(stock[i:min(n, i + block)]),
-                statistics.median(patched[i:min(n, i + block)])) for i in range(0, n, block)]
+    per_run = list(zip(_run_medians(stock[:n], block), _run_medians(patched[:n], block)))
     by_process = [per_run[r::processes] for r in range(processes)]
     if min(len(r) for r in by_process) < 3:
         return None
