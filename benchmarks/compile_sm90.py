@@ -48,8 +48,8 @@ TARGET = GPUTarget("cuda", 90, 32)  # what Triton's driver reports for an H100/H
 
 #: name -> (Options fields, quantised outputs, head_dim or None): the kernel's constexpr
 #: features. Quantised: "fp8" (FP8 caches, per-head scales; "fp8-e5m2" the same in e5m2),
-#: "fp8-pth-q8" (FP8 caches with
-#: per-token-head scale caches, FP8 query out), "int8-pth" (INT8 per-token-head caches).
+#: "fp8-pth" (FP8 caches with per-token-head scale caches), "fp8-pth-q8" (the same and an FP8
+#: query out), "int8-pth" (INT8 per-token-head caches).
 FEATURES = {
     "default": ({}, None, None),
     "gptj": ({"rotary_style": "gptj"}, None, None),
@@ -59,6 +59,7 @@ FEATURES = {
     "mrope": ({"mrope_section": (24, 20, 20), "mrope_interleaved": True}, None, None),
     "fp8": ({}, "fp8", None),
     "fp8-e5m2": ({}, "fp8-e5m2", None),
+    "fp8-pth": ({}, "fp8-pth", None),
     "fp8-pth-q8": ({}, "fp8-pth-q8", None),
     "int8-pth": ({}, "int8-pth", None),
     "d64": ({}, None, 64),

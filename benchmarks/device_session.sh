@@ -141,8 +141,8 @@ case "${1:-tests}" in
     shift; python3 benchmarks/variants.py /tmp/v "$@" || exit 1
     last=${!#}
     PYTHONPATH=/tmp/v/$last/src${PYTHONPATH:+:$PYTHONPATH} timeout 200 python3 -m pytest -q \
-      -p no:cacheprovider -n 12 tests/test_per_token_head.py tests/test_qknorm_rope.py \
-      tests/test_gpu.py 2>&1 | tail -3
+      -p no:cacheprovider -n 12 tests/test_per_token_head.py tests/test_fp8_outputs.py \
+      tests/test_qknorm_rope.py tests/test_gpu.py 2>&1 | tail -3
     kernels=production; for name in "$@"; do kernels=$kernels,$name; done
     rows=1,2,3,4,5,6,7,8,9,10,11,12,13,p1,p2,p3 tiles="pick 16,4,1,2 16,2,1,2 16,1,1,2"
     timeout 120 python3 benchmarks/tile_sweep.py --rows $rows --configs $tiles --rounds 3 \
