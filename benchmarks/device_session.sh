@@ -13,8 +13,9 @@
 #   bash benchmarks/device_session.sh e2e [PRESET [ARGS]] # qkrope bench --e2e: the model, stock vs
 #                                                  # patched (H100, two processes per variant:
 #                                                  # qwen3-8b 270-324 s, qwen3-32b 293-353,
-#                                                  # qwen3.5-27b 309-374); ARGS pass on (e.g. --modes
-#                                                  # reduce-overhead --phases decode --batch 1)
+#                                                  # qwen3.5-27b 309-374); ARGS pass on (e.g.
+#                                                  # --modes reduce-overhead --phases decode
+#                                                  # --batch 1)
 #   bash benchmarks/device_session.sh tests-e2e [PRESET] # the GPU tests (xdist, ~3 min), then
 #                                                  # e2e, in one call: after a change of the op
 #                                                  # or the integration (qwen3-8b only: the
