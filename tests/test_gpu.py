@@ -223,3 +223,77 @@ def test_a_float_scale_first_seen_in_a_capture_is_right_in_eager_calls_and_repla
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(vc.view(torch.uint8), want[3].view(torch.uint8))
+
+
+def _real_width_rotaries():
+    """Qwen3-8B's rotary (128-dim heads, theta 1e6) and Qwen3.5-27B's (64 of 256 dims rotated,
+    theta 1e7, interleaved mRoPE), as transformers builds them."""
+    transformers = pytest.importorskip("transformers")
+    qwen3 = transformers.Qwen3Config(head_dim=128, rope_parameters={
+        "rope_type": "default", "rope_theta": 1e6}, max_position_embeddings=40960)
+    qwen35 = transformers.Qwen3_5TextConfig(head_dim=256, rope_parameters={
+        "rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+        "mrope_section": [11, 11, 10], "mrope_interleaved": True})
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
+    return {"qwen3": Qwen3RotaryEmbedding(qwen3).cuda(),
+            "qwen3.5": Qwen3_5TextRotaryEmbedding(qwen35).cuda()}
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3.5"])
+def test_rotary_table_equals_the_stock_forward_at_every_position(name):
+    # Every position below 2**17 (angles to 1.3e5 rad), bf16 tables: the stock forward of the
+    # installed transformers (a batched matmul in 5.17, a product later) against the table.
+    from qkrope.ops.qknorm_rope import rope_cos_sin
+
+    rot = _real_width_rotaries()[name]
+    pos = torch.arange(2**17, device="cuda")[None]
+    section = None
+    if name == "qwen3.5":
+        half = rot.inv_freq.shape[0]
+        section = (half - rot.mrope_section[1] - rot.mrope_section[2], *rot.mrope_section[1:])
+        pos = torch.stack([pos, pos.flip(-1), (pos * 7) % 2**17])
+    x = torch.zeros(1, dtype=torch.bfloat16, device="cuda")
+    want = rot(x, pos)
+    got = rope_cos_sin(pos, rot.inv_freq.float(), torch.bfloat16,
+                       cos_sin_scale=rot.attention_scaling, mrope_section=section,
+                       mrope_interleaved=section is not None)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and torch.equal(g, w)
+
+
+def test_patched_rotary_is_one_native_launch():
+    # The patched eager rotary embedding: the table's one kernel (plus the bf16 buffer's fp32
+    # conversion), launched natively once the helpers are loaded; the stock forward runs ~10.
+    from qkrope.integrations.transformers import patch
+    from qkrope.ops import _native
+    from qkrope.ops.qknorm_rope.launcher import COS_SIN_LAUNCHER
+
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen3Config(vocab_size=128, hidden_size=256, intermediate_size=256,
+                                   num_hidden_layers=1, num_attention_heads=2,
+                                   num_key_value_heads=1, head_dim=128)
+    model = transformers.Qwen3ForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+    rot = model.model.rotary_emb
+    x = torch.zeros(1, dtype=torch.bfloat16, device="cuda")
+    pos = torch.arange(5, 9, device="cuda")[None]
+
+    def kernels():
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            with torch.no_grad():
+                out = rot(x, pos)
+            torch.cuda.synchronize()
+        return out, [e.name for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA]
+
+    want, stock = kernels()
+    patch(model)
+    if _native.enabled():
+        _native.load(timeout=300)
+    rot(x, pos)  # the table's first call of this signature: checked, then planned
+    got, patched = kernels()
+    assert len(stock) >= 8 and len(patched) <= 2, (stock, patched)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    if _native.module() is not None:
+        assert COS_SIN_LAUNCHER.plans

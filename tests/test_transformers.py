@@ -865,6 +865,74 @@ def test_patch_again_after_the_rotary_embedding_is_replaced_fuses_again(op_calls
     assert torch.equal(got, want)
 
 
+@pytest.fixture
+def table_calls(monkeypatch):
+    """The rotary table's launches from the integration (its patch-time probe included)."""
+    calls = []
+    real = integ.rope_cos_sin
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(integ, "rope_cos_sin", spy)
+    return calls
+
+
+def _rotary_and_probe_positions(model):
+    rot = next(m for m in model.modules() if type(m).__name__ in integ._ROTARY)
+    g = torch.Generator(device=DEVICE).manual_seed(3)
+    pos = torch.randint(0, 70000, (2, 37), generator=g, device=DEVICE)
+    if integ._ROTARY[type(rot).__name__]:  # mRoPE: three streams that differ
+        pos = torch.stack([pos, pos // 3, (pos + 11) % 5000])
+    return rot, pos
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_rotary_table_is_the_stock_forwards_in_one_launch(family, table_calls):
+    # Eager: the patched rotary embedding returns qkrope's table where patch found it equal to
+    # the stock forward's (every rotary here but the dynamic ones), the stock cos/sin bit for
+    # bit at positions far past the probe's; the dynamic ones keep the stock forward.
+    model, _ = build(family)
+    rot, pos = _rotary_and_probe_positions(model)
+    patch(model)
+    dynamic = family in ("qwen3-dynamic", "qwen3-longrope")
+    assert (rot._qkrope_table is None) == dynamic
+    table_calls.clear()
+    x = torch.zeros(1, dtype=torch.bfloat16, device=DEVICE)
+    with torch.no_grad():
+        got = rot(x, pos)
+        want = type(rot)._qkrope_base.forward(rot, x, pos)
+    assert len(table_calls) == (0 if dynamic else 1)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape and torch.equal(g, w)
+    assert rot._qkrope_state["cos"] is got[0]  # what the layers check they were given
+    unpatch(model)
+    assert not any(k.startswith("_qkrope") for k in vars(rot))
+
+
+def test_the_rotary_table_steps_aside_for_another_dtype_or_tf32(table_calls, monkeypatch):
+    # A call unlike the probe's (activations of another dtype, cuBLAS's TF32 turned on since:
+    # a stock matmul's product would change) takes the stock forward; patch again for the
+    # model's new dtype probes anew.
+    model, _ = build("qwen3")
+    rot, pos = _rotary_and_probe_positions(model)
+    patch(model)
+    table_calls.clear()
+    with torch.no_grad():
+        rot(torch.zeros(1, dtype=torch.float16, device=DEVICE), pos)
+        with monkeypatch.context() as m:
+            m.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+            rot(torch.zeros(1, dtype=torch.bfloat16, device=DEVICE), pos)
+        assert not table_calls
+        model.half()
+        patch(model)
+        assert rot._qkrope_table.dtype is torch.float16
+        table_calls.clear()
+        cos, _ = rot(torch.zeros(1, dtype=torch.float16, device=DEVICE), pos)
+    assert len(table_calls) == 1 and cos.dtype is torch.float16
+
+
 def test_cache_comes_from_the_stock_keyword_only():
     # A cache under the keyword the installed transformers' layers do not read (``cache=``
     # before 5.24: the stock layers ignore it and the model builds its own DynamicCache, and

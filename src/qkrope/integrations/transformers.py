@@ -46,6 +46,9 @@ none, the op computes the normalised and rotated Q and K without a cache write a
 Positions: the attention layers of Qwen3-VL and Qwen3.5 do not receive the mRoPE position
 streams (only the text positions), so ``patch`` wraps the model's text rotary embedding to
 keep the positions it was called with in this forward; the patched layers read them from there.
+In eager mode that wrapper also computes the cos/sin it returns (which only unpatched readers
+use) with qkrope's rotary table, one launch, where ``patch`` found it equal to the stock
+forward's bit for bit (docs/design.md, "The rotary table").
 
 Under ``torch.compile`` (which ``generate()`` applies to a StaticCache decode step on GPUs)
 the op runs as the registered custom op with the same bits, while Inductor computes the *stock*
@@ -68,7 +71,8 @@ from transformers.cache_utils import StaticLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .._interpret import interpreting
-from ..ops.qknorm_rope import fused_rope_with_qk_norm_and_kv_cache_update
+from ..ops._launch import native_ready
+from ..ops.qknorm_rope import fused_rope_with_qk_norm_and_kv_cache_update, rope_cos_sin
 from ..ops.qknorm_rope.checks import ACTIVATION_DTYPES, HEAD_DIMS, PLAIN_TENSORS, Options
 from ..ops.qknorm_rope.registration import op_options, qknorm_rope
 
@@ -256,25 +260,111 @@ def _text_rotaries(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
 
 def _rotary_forward(self, x, position_ids, *args, **kwargs):
     """The text rotary embedding's forward, keeping this forward's positions for the patched
-    layers, and the cos it returned, so a layer can tell it got this call's."""
-    cos, sin = _stock_forward(self, x, position_ids, *args, **kwargs)
+    layers, and the cos it returned, so a layer can tell it got this call's. In eager mode,
+    where :func:`_probe_table` found qkrope's rotary table equal to the stock forward's, the
+    table is that one launch instead of the stock forward's ~10 (docs/design.md, "The rotary
+    table"); under torch.compile the stock forward, whose cos/sin Inductor drops when no layer
+    reads them."""
     state = self._qkrope_state
+    table = None
+    if not torch.compiler.is_compiling() and not args and not kwargs:
+        table = getattr(self, "_qkrope_table", None)  # (None: pickled by an older qkrope)
+        if table is not None and (x.dtype is not table.dtype or _tf32() is not table.tf32 or
+                                  not (interpreting() or native_ready())):
+            table = None
+    inv_freq = cos = None
+    if table is not None:
+        inv_freq = self.inv_freq
+        inv_freq = inv_freq if inv_freq.dtype == torch.float32 else inv_freq.float()
+        try:
+            cos, sin = rope_cos_sin(position_ids, inv_freq, table.dtype,
+                                    cos_sin_scale=self.attention_scaling,
+                                    mrope_section=table.mrope_section,
+                                    mrope_interleaved=table.mrope_section is not None)
+        except (TypeError, ValueError):  # not the probe's kind of call: as the stock forward
+            cos = None
+    if cos is None:
+        cos, sin = _stock_forward(self, x, position_ids, *args, **kwargs)
+        # After the stock forward's dynamic update; in fp32 once per forward, not once per
+        # layer (model.to(bf16) casts the buffer; HF upcasts it): an eager step launches one
+        # conversion, not one per layer (docs/design.md, "Compile route").
+        inv_freq = self.inv_freq
+        inv_freq = inv_freq if inv_freq.dtype == torch.float32 else inv_freq.float()
     state["positions"] = position_ids
-    # After the stock forward's dynamic update; in fp32 once per forward, not once per layer
-    # (model.to(bf16) casts the buffer; HF upcasts it): an eager step launches one conversion,
-    # not one per layer (docs/design.md, "Compile route").
-    inv_freq = self.inv_freq
-    state["inv_freq"] = inv_freq if inv_freq.dtype == torch.float32 else inv_freq.float()
+    state["inv_freq"] = inv_freq
     state["scale"] = self.attention_scaling  # read here, once per forward, not in every layer
     # (No extra graph output under torch.compile: the last patched layer empties the state.)
     state["cos"] = cos
     return cos, sin
 
 
-def _hook_rotary(rotary: torch.nn.Module) -> dict:
+class _Table(NamedTuple):
+    """Where a rotary embedding's cos/sin may come from qkrope's table (:func:`_probe_table`)."""
+
+    dtype: torch.dtype           # of the activations (and tables) the probe compared
+    tf32: bool                   # cuBLAS's TF32 setting then (a stock matmul's product)
+    mrope_section: tuple | None  # interleaved (T, H, W) frequency counts
+
+
+def _tf32() -> bool:
+    return torch.backends.cuda.matmul.allow_tf32
+
+
+#: Rotary types whose stock forward updates ``inv_freq`` from the positions it is given.
+_DYNAMIC_ROPE = ("dynamic", "longrope")
+
+
+def _probe_table(rotary: torch.nn.Module, dtype: torch.dtype) -> _Table | None:
+    """The table options under which :func:`rope_cos_sin` returns what ``rotary``'s stock
+    forward returns for ``dtype`` activations, bit for bit, or None. Decided at patch time by
+    running both on probe positions (small and large angles, distinct mRoPE streams): the
+    stock forward's formula varies between transformers versions (a batched matmul in 5.17, a
+    product from 5.2x) and is not the op's to assume. Rotary types that update ``inv_freq``
+    from the positions, an instance forward (a hook of accelerate's), or a non-float
+    ``attention_scaling`` keep the stock forward."""
+    rope_type = getattr(rotary, "rope_type", None)
+    if not isinstance(rope_type, str) or any(t in rope_type for t in _DYNAMIC_ROPE) or \
+            rotary._qkrope_previous_forward is not None or \
+            type(rotary.attention_scaling) is not float:
+        return None
+    inv_freq = rotary.inv_freq
+    device, half = inv_freq.device, inv_freq.shape[-1]
+    if not (device.type == "cuda" or (device.type == "cpu" and interpreting())) or \
+            inv_freq.dim() != 1 or half < 1:
+        return None
+    section = None
+    pos = torch.cat([torch.arange(48), torch.tensor([255, 1000, 4095, 8191, 32767, 65535,
+                                                     131071, 1048575])]).to(device)[None]
+    if _ROTARY[type(rotary).__name__]:
+        sec = tuple(rotary.mrope_section)
+        if len(sec) != 3 or sec[1] + sec[2] > half:
+            return None
+        section = (half - sec[1] - sec[2], sec[1], sec[2])
+        pos = torch.stack([pos, pos // 2 + 3, pos // 3 + 7])
+    x = torch.zeros(1, dtype=dtype, device=device)
+    try:
+        with torch.no_grad():
+            want = _stock_forward(rotary, x, pos)
+            got = rope_cos_sin(pos, inv_freq.float(), dtype,
+                               cos_sin_scale=rotary.attention_scaling, mrope_section=section,
+                               mrope_interleaved=section is not None)
+    except Exception:  # noqa: BLE001 (whatever fails here, the stock forward stays)
+        return None
+    same = len(want) == 2 and all(type(w) is torch.Tensor and w.dtype == g.dtype and
+                                  w.shape == g.shape and torch.equal(w, g)
+                                  for w, g in zip(want, got))
+    return _Table(dtype, _tf32(), section) if same else None
+
+
+def _hook_rotary(rotary: torch.nn.Module, dtype: torch.dtype) -> dict:
+    """Hook ``rotary`` (once) and probe its table for ``dtype`` activations (again when
+    patched for another dtype); returns its state."""
     if "_qkrope_state" not in rotary.__dict__:
         rotary._qkrope_state = {}
         _swap_class(rotary, "rotary")
+    if rotary.__dict__.get("_qkrope_probed") is not dtype:
+        rotary._qkrope_table = _probe_table(rotary, dtype)
+        rotary._qkrope_probed = dtype
     return rotary._qkrope_state
 
 
@@ -388,7 +478,8 @@ def patch(model: torch.nn.Module) -> int:
         if is_patched(m):
             if rotary is not None and m._qkrope_rotary_state is rotary.__dict__.get(
                     "_qkrope_state"):
-                patched += 1
+                _hook_rotary(rotary, m.q_proj.weight.dtype)  # the table probed anew for a
+                patched += 1                                  # dtype changed since
                 continue
             _unpatch_layer(m)  # its rotary embedding was replaced: patched anew
         reason, options = _layer_options(m, SUPPORTED_ATTENTION[type(m).__name__], rotary)
@@ -397,7 +488,7 @@ def patch(model: torch.nn.Module) -> int:
             continue
         m._qkrope_key = _register(_Static(**options, cache_kwarg=_cache_kwarg(type(m))))
         m._qkrope_params = tuple(m.parameters())  # the autograd check's (_call_reason)
-        m._qkrope_rotary_state = _hook_rotary(rotary)
+        m._qkrope_rotary_state = _hook_rotary(rotary, m.q_proj.weight.dtype)
         _swap_class(m, "attention")
         patched += 1
     # Layers run in module order (a layer after the one that clears would fall back, not err).
@@ -422,7 +513,8 @@ def unpatch(model: torch.nn.Module) -> int:
             n += 1
         if "_qkrope_state" in m.__dict__:
             _restore_class(m)
-            del m._qkrope_state
+            for name in ("_qkrope_state", "_qkrope_table", "_qkrope_probed"):
+                m.__dict__.pop(name, None)
     return n
 
 

@@ -37,7 +37,8 @@ import triton
 from .._interpret import interpreting
 from . import _native
 
-__all__ = ["KernelLauncher", "Plan", "param_kinds", "device_of", "route", "VERIFIED_TRITON"]
+__all__ = ["KernelLauncher", "Plan", "param_kinds", "device_of", "route", "native_ready",
+           "VERIFIED_TRITON"]
 
 #: Triton versions (major.minor) whose compiled-kernel object the native route was verified on
 #: (docs/design.md, "Native launch route": what it reads of each).
@@ -86,6 +87,13 @@ def route() -> tuple[str, str]:
         return "native", ("the native helpers are built and loaded (eager calls, and the op inside "
                           "compiled graphs, launch known signatures from C++)")
     return "triton", status
+
+
+def native_ready() -> bool:
+    """Whether a known signature's eager call launches natively in this process now (what
+    :func:`route` calls "native"), cheaply: for callers that have a cheaper way than Triton's
+    public launch when it does not."""
+    return _triton_verified() and _native.signature_fn() is not None and _no_launch_hooks()
 
 
 def _no_launch_hooks() -> bool:
@@ -246,8 +254,9 @@ class KernelLauncher:
             if type(x) is not float or not (x == 0.0 or _FP32_TINY <= x <= _FP32_MAX):
                 return None
         addresses, n = packed[1], len(outs)
-        made = _native.outputs_fn()(*self._like_of(inputs), *outs)
-        outs, addresses[-n:] = made[:n], made[n:]
+        if n:  # (a launcher without outputs: its caller allocated every tensor)
+            made = _native.outputs_fn()(*self._like_of(inputs), *outs)
+            outs, addresses[-n:] = made[:n], made[n:]
         plan.launch((*addresses, *scalars))
         # As torch's own in-place ops do: a tensor saved for backward and overwritten here
         # makes that backward raise instead of using stale values; natively, as a Python tuple

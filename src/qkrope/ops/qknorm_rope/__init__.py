@@ -2,8 +2,9 @@
 
 ``api.py`` (the public functions) -> ``checks.py`` (argument checks, canonical options) ->
 ``registration.py`` (the ``torch.ops.qkrope.qknorm_rope`` custom op) -> ``launcher.py``
-(layout adapters, tile picker, launch) -> ``kernel.py`` (the one Triton kernel; its quantised
-stores in ``quantize.py``);
+(layout adapters, tile picker, launch) -> ``kernel.py`` (the op's Triton kernel; its quantised
+stores in ``quantize.py``); ``rope_cos_sin`` takes the same path to the rotary table's kernel
+(HF's cos/sin from the op's trig, for callers that hand them on);
 ``validation.py`` (``validate=True``'s value checks); ``reference.py`` (the oracle, never
 imported by production code).
 """
@@ -12,10 +13,11 @@ from .api import (
     fused_qk_norm_rope_paged,
     fused_qkv_norm_rope_paged,
     fused_rope_with_qk_norm_and_kv_cache_update,
+    rope_cos_sin,
     split_packed_qkv,
     vllm_per_token_head_views,
 )
 
 __all__ = ["fused_qk_norm_rope_paged", "fused_qkv_norm_rope_paged",
-           "fused_rope_with_qk_norm_and_kv_cache_update", "split_packed_qkv",
+           "fused_rope_with_qk_norm_and_kv_cache_update", "rope_cos_sin", "split_packed_qkv",
            "vllm_per_token_head_views"]

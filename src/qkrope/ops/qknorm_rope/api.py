@@ -21,15 +21,16 @@ from __future__ import annotations
 import torch
 
 from .checks import (
-    ACTIVATION_DTYPES, FP32_MAX, FP32_TINY, Options, check_bhsd, check_out, check_paged,
-    check_scales, dtype_name, head_count, refuse_autograd, scalar_on, tensor_arg,
+    ACTIVATION_DTYPES, FP32_MAX, FP32_TINY, Options, check_bhsd, check_cos_sin, check_out,
+    check_paged, check_scales, dtype_name, head_count, refuse_autograd, scalar_on, tensor_arg,
 )
-from .launcher import LAUNCHER
+from .launcher import COS_SIN_LAUNCHER, LAUNCHER, launch_cos_sin
 from .registration import options_key, qknorm_rope
 from .validation import check_rows, check_scale, validated_rows, validated_scale
 
 __all__ = ["fused_rope_with_qk_norm_and_kv_cache_update", "fused_qk_norm_rope_paged",
-           "fused_qkv_norm_rope_paged", "split_packed_qkv", "vllm_per_token_head_views"]
+           "fused_qkv_norm_rope_paged", "split_packed_qkv", "vllm_per_token_head_views",
+           "rope_cos_sin"]
 
 
 def fused_rope_with_qk_norm_and_kv_cache_update(
@@ -422,3 +423,65 @@ def fused_qkv_norm_rope_paged(qkv: torch.Tensor, num_q_heads: int, num_kv_heads:
     return fused_qk_norm_rope_paged(q, k, v, positions, key_cache, value_cache, slot_mapping,
                                     q_norm_weight, k_norm_weight, inv_freq, rms_norm_eps,
                                     **kwargs)
+
+
+def rope_cos_sin(
+    position_ids: torch.Tensor,
+    inv_freq: torch.Tensor,
+    dtype: torch.dtype,
+    *,
+    cos_sin_scale: float = 1.0,
+    mrope_section: tuple[int, int, int] | None = None,
+    mrope_interleaved: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary table a NeoX-style HF rotary embedding returns, in one launch: the cos/sin
+    the op computes in-kernel for the same positions, bit for bit (docs/spec.md, R2).
+
+    For callers that must also hand cos/sin to code other than the op (the HF integration's
+    rotary embedding, in eager mode; docs/design.md, "The rotary table"). Not traceable: under
+    ``torch.compile`` compute the table with torch ops.
+
+    Args:
+        position_ids: [B, S] int32/int64 positions, any strides (expanded views too). With
+            ``mrope_section``: [3, B, S] streams (temporal, height, width), or [B, S] for all
+            three.
+        inv_freq: [R/2] float32 inverse frequencies, on the device of ``position_ids``.
+        dtype: of the tables: bfloat16, float16 or float32.
+        cos_sin_scale: multiplies cos and sin in fp32 before their rounding (HF's
+            ``attention_scaling``).
+        mrope_section, mrope_interleaved: as the op's (per frequency, the stream whose
+            position it takes).
+
+    Returns:
+        ``(cos, sin)``, each [B, S, R] contiguous of ``dtype``, its two halves equal:
+        ``round(f(float32(position) * inv_freq[i]) * cos_sin_scale)`` at ``[..., i]`` and
+        ``[..., i + R/2]`` (f = cos, sin; libdevice on a GPU, as torch's own ``cos``/``sin``).
+    """
+    if type(mrope_section) is list:
+        mrope_section = tuple(mrope_section)
+    key = ("cos_sin", cos_sin_scale, mrope_section, mrope_interleaved)
+    fast = (type(position_ids) is torch.Tensor and type(inv_freq) is torch.Tensor and
+            position_ids.dim() in (2, 3) and inv_freq.dim() == 1 and
+            dtype in (torch.bfloat16, torch.float16, torch.float32) and
+            not torch.compiler.is_compiling())
+    if fast:
+        shape = (*position_ids.shape[-2:], 2 * inv_freq.shape[0])
+        cos = torch.empty(shape, dtype=dtype, device=position_ids.device)
+        sin = torch.empty(shape, dtype=dtype, device=position_ids.device)
+        if type(cos_sin_scale) is float and (mrope_section is None or all(
+                type(x) is int for x in mrope_section)) and type(mrope_interleaved) is bool and (
+                COS_SIN_LAUNCHER.fast_call(key, (position_ids, inv_freq, cos, sin), (), ())
+                is not None):
+            return cos, sin
+    opts = check_cos_sin(position_ids, inv_freq, dtype, Options(
+        cos_sin_scale=cos_sin_scale, mrope_section=mrope_section,
+        mrope_interleaved=mrope_interleaved))
+    if not fast:
+        shape = (*position_ids.shape[-2:], 2 * inv_freq.shape[0])
+        cos = torch.empty(shape, dtype=dtype, device=position_ids.device)
+        sin = torch.empty(shape, dtype=dtype, device=position_ids.device)
+    launched = launch_cos_sin(position_ids, inv_freq, cos, sin, opts)
+    key = ("cos_sin", opts.cos_sin_scale, opts.mrope_section, opts.mrope_interleaved)
+    COS_SIN_LAUNCHER.remember(key, (position_ids, inv_freq, cos, sin), (), launched,
+                              position_ids.get_device())
+    return cos, sin

@@ -22,7 +22,8 @@ from .._overlap import check_disjoint
 __all__ = ["HEAD_DIMS", "ACTIVATION_DTYPES", "FP8_CACHE_DTYPES", "INDEX_DTYPES", "FP32_MAX",
            "FP32_TINY", "Options", "dtype_name", "tensor_arg", "scale_tensor", "scale_cache",
            "scalar_on",
-           "check_bhsd", "check_paged", "check_out", "head_count", "refuse_autograd",
+           "check_bhsd", "check_paged", "check_cos_sin", "check_out", "head_count",
+           "refuse_autograd",
            "check_overlap"]
 
 HEAD_DIMS = (64, 128, 256, 512)
@@ -431,6 +432,35 @@ def check_paged(query, key, value, positions, key_cache, value_cache, slot_mappi
     _shape("value_cache", value_cache, tuple(key_cache.shape), "the shape of key_cache")
     _positions("positions", positions, (T,), opts, "[{0}]")
     _shape("slot_mapping", slot_mapping, (T,), "[T]")
+    return opts
+
+
+TABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def check_cos_sin(position_ids, inv_freq, dtype, opts: Options) -> Options:
+    """The rotary table's arguments (``api.rope_cos_sin``); ``opts`` carries its
+    ``cos_sin_scale`` and mRoPE options. Returns them canonical."""
+    tensor_arg("inv_freq", inv_freq, 1, (torch.float32,))
+    half = inv_freq.shape[0]
+    if half < 1:
+        raise ValueError("inv_freq must hold at least one frequency, got shape [0]")
+    opts = check_options(opts._replace(rotary_dim=2 * half), 2 * half)
+    ranks = (2, 3) if opts.mrope_section is not None else 2
+    tensor_arg("position_ids", position_ids, ranks, INDEX_DTYPES)
+    if position_ids.dim() == 3 and position_ids.shape[0] != 3:
+        raise ValueError(f"position_ids must have shape [B, S] or [3, B, S] (temporal, height, "
+                         f"width streams), got {list(position_ids.shape)}")
+    if dtype not in TABLE_DTYPES:
+        raise TypeError(f"dtype must be one of {', '.join(map(dtype_name, TABLE_DTYPES))}, "
+                        f"got {dtype!r}")
+    device = position_ids.device
+    if inv_freq.device != device:
+        raise ValueError(f"inv_freq is on {inv_freq.device} but position_ids is on {device}: "
+                         f"both must be on one device")
+    if device.type != "cuda" and not (device.type == "cpu" and interpreting()):
+        raise ValueError(f"the rotary table's kernel needs CUDA tensors (CPU tensors in "
+                         f"Triton's interpreter), got position_ids on {device}")
     return opts
 
 

@@ -519,3 +519,36 @@ def qknorm_rope_kernel(
         else:
             _store_scaled(v_cache_ptr, vc_row + d_full * stride_vc_d, v, row_mask, vc_sc,
                           V_SCALED, INTERPRETER, SAT_CVT)
+
+
+@triton.jit
+def rope_cos_sin_kernel(
+    pos_ptr, inv_freq_ptr, cos_ptr, sin_ptr,
+    T, S, stride_pos_r, stride_pos_b, stride_pos_s, stride_inv_freq,
+    HALF: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_T: tl.constexpr,
+    COS_SIN_SCALE: tl.constexpr, MROPE: tl.constexpr, SEC_T: tl.constexpr,
+    SEC_H: tl.constexpr, SEC_W: tl.constexpr, INTERPRETER: tl.constexpr,
+):
+    """The rotary table HF's rotary embeddings return: ``cos``/``sin`` [B, S, 2 HALF]
+    (contiguous, of ``cos_ptr``'s dtype), both halves of a row the same ``HALF`` values, each the op's own
+    cos/sin of ``float32(position) * inv_freq`` (so a table and the op agree bit for bit).
+    Grid: (cdiv(T, BLOCK_T),) over the T = B * S tokens. Offsets are int64: a table spans
+    T * 2 HALF elements, past 2**31 for long batched prefills."""
+    DT = cos_ptr.dtype.element_ty
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    t_mask = t < T
+    pos_off = (t // S) * stride_pos_b + (t % S) * stride_pos_s
+    f = tl.arange(0, BLOCK_F)
+    f_mask = f < HALF
+    # Padding lanes (HALF not a power of two) read the last frequency, never past the tensor.
+    freq = tl.minimum(f, HALF - 1)
+    angle = _angles(pos_ptr, pos_off, t_mask, freq, inv_freq_ptr, stride_inv_freq,
+                    stride_pos_r, MROPE, SEC_T, SEC_H, SEC_W, True)
+    cos, sin = _cos_sin(angle, DT, COS_SIN_SCALE, INTERPRETER)
+    cos, sin = _cast(cos, DT, INTERPRETER), _cast(sin, DT, INTERPRETER)
+    off = t[:, None] * (2 * HALF) + f[None, :]
+    mask = t_mask[:, None] & f_mask[None, :]
+    tl.store(cos_ptr + off, cos, mask=mask)
+    tl.store(cos_ptr + off + HALF, cos, mask=mask)
+    tl.store(sin_ptr + off, sin, mask=mask)
+    tl.store(sin_ptr + off + HALF, sin, mask=mask)

@@ -14,10 +14,10 @@ from ..._interpret import interpreting
 from .._launch import KernelLauncher
 from .._overlap import extent
 from .checks import Options
-from .kernel import qknorm_rope_kernel
+from .kernel import qknorm_rope_kernel, rope_cos_sin_kernel
 
 __all__ = ["TileConfig", "PER_CALL", "pick_config", "launch", "LAUNCHER", "wide_offsets",
-           "saturating_fp8_cvt"]
+           "saturating_fp8_cvt", "COS_SIN_LAUNCHER", "launch_cos_sin"]
 
 #: The kernel parameters that change from call to call, in the order the fast path passes them
 #: (``KernelLauncher.fast_call``): the input tensors' addresses, the outputs', then eps.
@@ -29,6 +29,11 @@ LAUNCHER = KernelLauncher(qknorm_rope_kernel, PER_CALL,
                                    "v_scale_cache_ptr", "q_out_ptr", "k_out_ptr"),
                           in_place=(("q_out_ptr", "q_ptr"), ("k_out_ptr", "k_ptr")),
                           outputs=(("q_out_ptr", "q_ptr"), ("k_out_ptr", "k_ptr")))
+#: The rotary table's kernel: its per-call parameters are its four tensors (the caller
+#: allocates the tables, whose shape is no input's).
+COS_SIN_LAUNCHER = KernelLauncher(rope_cos_sin_kernel,
+                                  ("pos_ptr", "inv_freq_ptr", "cos_ptr", "sin_ptr"),
+                                  written=("cos_ptr", "sin_ptr"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -220,3 +225,27 @@ def _scale_cache_strides(name: str, layout: str, cache) -> dict:
 
 def _scale_stride(scale) -> int:
     return 0 if scale is None or scale.numel() == 1 else scale.stride(-1)
+
+
+def launch_cos_sin(positions, inv_freq, cos, sin, opts: Options):
+    """Launch the rotary table's kernel on checked arguments (``checks.check_cos_sin``):
+    ``positions`` [B, S] or [3, B, S], ``cos``/``sin`` [B, S, rotary_dim] contiguous. Returns
+    ``(compiled kernel or None, grid, args, meta)``."""
+    B, S = positions.shape[-2:]
+    half = inv_freq.shape[0]
+    block_t = min(triton.next_power_of_2(B * S), 64 if interpreting() else 16)
+    grid = (triton.cdiv(B * S, block_t),)
+    section = opts.mrope_section or (0, 0, 0)
+    args = dict(pos_ptr=positions, inv_freq_ptr=inv_freq, cos_ptr=cos, sin_ptr=sin, T=B * S,
+                S=S, stride_pos_r=positions.stride(0) if positions.dim() == 3 else 0,
+                stride_pos_b=positions.stride(-2), stride_pos_s=positions.stride(-1),
+                stride_inv_freq=inv_freq.stride(0))
+    block_f = triton.next_power_of_2(half)
+    meta = dict(HALF=half, BLOCK_F=block_f, BLOCK_T=block_t,
+                COS_SIN_SCALE=float(opts.cos_sin_scale),
+                MROPE=0 if opts.mrope_section is None else (2 if opts.mrope_interleaved else 1),
+                SEC_T=section[0], SEC_H=section[1], SEC_W=section[2],
+                INTERPRETER=interpreting(), num_warps=max(1, min(4, block_t * block_f // 256)))
+    compiled = COS_SIN_LAUNCHER.launch(grid, args, meta, positions.device)
+    return compiled, grid, args, meta
+

@@ -36,7 +36,8 @@ from __future__ import annotations
 import torch
 
 __all__ = ["qknorm_rope_cache_ref", "qknorm_rope_paged_ref", "rms_norm_ref", "rope_angles_ref",
-           "cos_sin_ref", "rotate_ref", "qk_rotated_fp64", "quantize", "quantize_token_head"]
+           "cos_sin_ref", "rope_cos_sin_ref", "rotate_ref", "qk_rotated_fp64", "quantize",
+           "quantize_token_head"]
 
 _FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 _FP8_NAN = 0x7F  # the positive NaN of either FP8 dtype: the code the kernel stores for every NaN
@@ -76,6 +77,18 @@ def rope_angles_ref(positions: torch.Tensor, inv_freq: torch.Tensor,
 def cos_sin_ref(angles: torch.Tensor, dtype: torch.dtype, scale: float = 1.0):
     """R2: cos/sin of fp32 angles, scaled in fp32, rounded to ``dtype``."""
     return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
+
+
+def rope_cos_sin_ref(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,
+                     scale: float = 1.0, mrope_section=None,
+                     mrope_interleaved: bool = False):
+    """The rotary table (``rope_cos_sin``): R2's cos/sin [B, S, R/2] of ``positions`` [B, S]
+    (or [3, B, S], or [B, S] for all three streams, with ``mrope_section``), each repeated
+    over both halves of R, as HF's NeoX rotary embeddings return them."""
+    if mrope_section is not None and positions.dim() == 2:
+        positions = positions.expand(3, -1, -1)
+    angles = rope_angles_ref(positions, inv_freq, mrope_section, mrope_interleaved)
+    return tuple(torch.cat((x, x), dim=-1) for x in cos_sin_ref(angles, dtype, scale))
 
 
 def rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int,
