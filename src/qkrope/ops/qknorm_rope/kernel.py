@@ -530,8 +530,9 @@ def rope_cos_sin_kernel(
     SEC_H: tl.constexpr, SEC_W: tl.constexpr, INTERPRETER: tl.constexpr,
 ):
     """The rotary table HF's rotary embeddings return: ``cos``/``sin`` [B, S, 2 HALF]
-    (contiguous, of ``cos_ptr``'s dtype), both halves of a row the same ``HALF`` values, each the op's own
-    cos/sin of ``float32(position) * inv_freq`` (so a table and the op agree bit for bit).
+    (contiguous, of ``cos_ptr``'s dtype), both halves of a row the same ``HALF`` values, each
+    the op's own cos/sin of ``float32(position) * inv_freq`` (a table and the op agree bit for
+    bit).
     Grid: (cdiv(T, BLOCK_T),) over the T = B * S tokens. Offsets are int64: a table spans
     T * 2 HALF elements, past 2**31 for long batched prefills."""
     DT = cos_ptr.dtype.element_ty
