@@ -15,8 +15,9 @@ breaks a variant loudly instead of silently timing the production kernel
 (tests/test_variants.py). Variants that were adopted or refuted (rstd_first, two_q_heads,
 trig_first_single_row; the eviction hints of docs/design.md §Tile rule: commit bdd73a8;
 partial_rotary_freqs, fma_division, satfinite_store, fp8_stores, pth_amax_max, int8_no_clamp,
-pth_lean, pth_early, pth_lean_early: adopted, in git before the commit that adopted them) are in
-git history. What each variant measured: docs/design.md.
+pth_lean, pth_early, pth_lean_early: adopted, in git before the commit that adopted them;
+q8_store8: refuted, docs/perf-notes.md lead 6 g) are in git history. What each variant
+measured: docs/design.md and docs/perf-notes.md.
 
     python benchmarks/variants.py /tmp/v [NAME ...]     # writes /tmp/v/<name>/src, prints it
 """
@@ -60,20 +61,6 @@ _NO_TRIG = [Edit(KERNEL, "cos = libdevice.cos(angle)", "cos = angle * 0.0 + 1.0"
 _TRIG_HW = [Edit(KERNEL, "cos = libdevice.cos(angle)", "cos = libdevice.fast_cosf(angle)"),
             Edit(KERNEL, "sin = libdevice.sin(angle)", "sin = libdevice.fast_sinf(angle)")]
 
-# The FP8 query stored from offsets Triton can prove contiguous in runs of 8 only: its store
-# then takes the K rows' 8-per-thread layout (docs/perf-notes.md lead 6 g).
-_Q8_STORE8 = Edit(KERNEL, '''\
-        _store_scaled(q_out_ptr, qo_row + d_lo * stride_qo_d, q_lo, q_mask, q_sc, QO_SCALED,
-                      INTERPRETER, SAT_CVT)
-        _store_scaled(q_out_ptr, qo_row + d_hi * stride_qo_d, q_hi, q_mask, q_sc, QO_SCALED,
-                      INTERPRETER, SAT_CVT)''', '''\
-        e8 = tl.arange(0, HALF)
-        dq_lo = _index((e8 // 8) * 8 + e8 % 8, WIDE)[None, None, :] if QO_SCALED else d_lo
-        _store_scaled(q_out_ptr, qo_row + dq_lo * stride_qo_d, q_lo, q_mask, q_sc, QO_SCALED,
-                      INTERPRETER, SAT_CVT)
-        _store_scaled(q_out_ptr, qo_row + (dq_lo + HALF) * stride_qo_d, q_hi, q_mask, q_sc,
-                      QO_SCALED, INTERPRETER, SAT_CVT)''')
-
 #: name -> (what it probes, edits).
 VARIANTS: dict[str, tuple[str, list[Edit]]] = {
     "skeleton": ("loads and stores only, no norm, rotation or trig: a lower bound for this "
@@ -82,10 +69,6 @@ VARIANTS: dict[str, tuple[str, list[Edit]]] = {
                 "costs (wrong results by design)", _NO_TRIG),
     "trig_hw": ("libdevice's fast_cosf/fast_sinf (MUFU approximations) instead of the accurate "
                 "cos/sin: cost probe, wrong at large angles", _TRIG_HW),
-    "q8_store8": ("the FP8 query's stores from offsets of contiguity 8 (8-byte stores, the K "
-                  "rows' layout) instead of 16-byte ones: Triton's coalescing gave the q tile "
-                  "its own 16-per-thread layout (row 3 fp8-pth-q8: LDS 62 -> 42, SASS 1864 -> "
-                  "1896, MUFU 7 -> 9; docs/perf-notes.md lead 6 g)", [_Q8_STORE8]),
     "int32_addressing": ("every int64 conversion made int32: what int64 offsets cost (wrong "
                          "past 2**31 elements by design)",
                          [Edit(KERNEL, ".to(tl.int64)", ".to(tl.int32)", every=True)]),
