@@ -161,7 +161,8 @@ def main() -> None:
         T = w.tokens if row.paged else w.seq_len
         B = 1 if row.paged else w.batch
         pick = tuple(launcher.pick_config(B, T, model.num_q_heads, model.num_kv_heads,
-                                          model.head_dim, interpreting()))
+                                          model.head_dim, interpreting(),
+                                          quant.kv_dtype == "int8"))
         if args.check_only:
             print(f"{row.label} {w.name}: " + "  ".join(
                 f"({name})={status}" for name, status in ok.items()))

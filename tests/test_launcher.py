@@ -451,6 +451,18 @@ def test_pick_config_keeps_big_tiles_when_even_a_few_tokens_fill_the_chip(h200_s
     assert tuple(launcher.pick_config(1, 4, 2048, 8, 128, False)) == (16, 8, 1, 2)
 
 
+@pytest.mark.parametrize("B, T, want", [
+    (1, 128, (16, 4, 1, 2)),   # #3: INT8 per-token-head caches take 4 KV heads a program
+    (64, 1, (16, 4, 1, 2)),    # p1
+    (2, 256, (16, 4, 1, 2)),   # #4
+    (1, 541, (16, 8, 1, 2)),   # #10: past 512 tokens the usual tile
+    (1, 1, (1, 1, 1, 1)),      # a decode step: one head a program either way
+])
+def test_pick_config_narrows_kv_tiles_only_for_int8_caches_of_few_tokens(h200_sms, B, T, want):
+    assert tuple(launcher.pick_config(B, T, 96, 8, 128, False, True)) == want
+    assert launcher.pick_config(B, T, 96, 8, 128, False)[1] == (1 if B * T == 1 else 8)
+
+
 @pytest.mark.parametrize("name", ["bhsd", "paged-fp8"])
 def test_fast_path_bumps_what_it_writes(fake, name):
     # The native bump(): the caches (and a scale cache where given) and every output, as the
