@@ -911,7 +911,7 @@ def test_the_rotary_table_is_the_stock_forwards_in_one_launch(family, table_call
     assert not any(k.startswith("_qkrope") for k in vars(rot))
 
 
-def test_the_rotary_table_steps_aside_for_another_dtype_or_tf32(table_calls, monkeypatch):
+def test_the_rotary_table_steps_aside_for_another_dtype_or_tf32(table_calls):
     # A call unlike the probe's (activations of another dtype, cuBLAS's TF32 turned on since:
     # a stock matmul's product would change) takes the stock forward; patch again for the
     # model's new dtype probes anew.
@@ -921,9 +921,12 @@ def test_the_rotary_table_steps_aside_for_another_dtype_or_tf32(table_calls, mon
     table_calls.clear()
     with torch.no_grad():
         rot(torch.zeros(1, dtype=torch.float16, device=DEVICE), pos)
-        with monkeypatch.context() as m:
-            m.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+        tf32 = torch.backends.cuda.matmul.allow_tf32  # (a module whose attributes are
+        try:                                           # properties: monkeypatch cannot undo)
+            torch.backends.cuda.matmul.allow_tf32 = True
             rot(torch.zeros(1, dtype=torch.bfloat16, device=DEVICE), pos)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = tf32
         assert not table_calls
         model.half()
         patch(model)
