@@ -55,9 +55,8 @@ class TileConfig(NamedTuple):
 # tile's trig and address work for every head.
 ONE_HEAD_MAX_TOKENS = 4
 # INT8 per-token-head caches: their K/V programs (amax, scale, codes rounded half away from
-# zero) are the slower half of a mid-size call, and up to this many tokens more of them, of at
-# most 4 KV heads each, finish it sooner (docs/perf-notes.md, lead 6 f: H100, rows #3, #4, #6,
-# p1 -2 to -4% in two runs; from ~1024 tokens even, at 4096 +1-2%; nothing for FP8 caches).
+# zero) are the slower half of a mid-size call; up to this many tokens more of them, of at most
+# 4 KV heads each, finish it sooner (docs/design.md, "Per-token-head scales").
 INT8_NARROW_KV_MAX_TOKENS = 512
 
 
