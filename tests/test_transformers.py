@@ -934,6 +934,14 @@ def test_the_rotary_table_steps_aside_for_another_dtype_or_tf32(table_calls):
         table_calls.clear()
         cos, _ = rot(torch.zeros(1, dtype=torch.float16, device=DEVICE), pos)
     assert len(table_calls) == 1 and cos.dtype is torch.float16
+    # A rope type set since the probe (any: a dynamic one would have to update inv_freq), or a
+    # rotary pickled by an older qkrope (no probe at all): the stock forward.
+    rot.rope_type = "linear"
+    rot(torch.zeros(1, dtype=torch.float16, device=DEVICE), pos)
+    del rot._qkrope_table
+    rot.rope_type = "default"
+    rot(torch.zeros(1, dtype=torch.float16, device=DEVICE), pos)
+    assert len(table_calls) == 1
 
 
 def test_cache_comes_from_the_stock_keyword_only():

@@ -270,6 +270,7 @@ def _rotary_forward(self, x, position_ids, *args, **kwargs):
     if not torch.compiler.is_compiling() and not args and not kwargs:
         table = getattr(self, "_qkrope_table", None)  # (None: pickled by an older qkrope)
         if table is not None and (x.dtype is not table.dtype or _tf32() is not table.tf32 or
+                                  self.rope_type != table.rope_type or
                                   not (interpreting() or native_ready())):
             table = None
     inv_freq = cos = None
@@ -304,6 +305,7 @@ class _Table(NamedTuple):
     dtype: torch.dtype           # of the activations (and tables) the probe compared
     tf32: bool                   # cuBLAS's TF32 setting then (a stock matmul's product)
     mrope_section: tuple | None  # interleaved (T, H, W) frequency counts
+    rope_type: str               # the probe's (a dynamic type set since must update inv_freq)
 
 
 def _tf32() -> bool:
@@ -353,7 +355,7 @@ def _probe_table(rotary: torch.nn.Module, dtype: torch.dtype) -> _Table | None:
     same = len(want) == 2 and all(type(w) is torch.Tensor and w.dtype == g.dtype and
                                   w.shape == g.shape and torch.equal(w, g)
                                   for w, g in zip(want, got))
-    return _Table(dtype, _tf32(), section) if same else None
+    return _Table(dtype, _tf32(), section, rope_type) if same else None
 
 
 def _hook_rotary(rotary: torch.nn.Module, dtype: torch.dtype) -> dict:
