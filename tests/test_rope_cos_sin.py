@@ -57,16 +57,17 @@ def test_table_equals_the_oracle(dtype, B, S, half, kind, scale):
     assert_table(sin, want_sin)
 
 
+@pytest.mark.parametrize("interleaved", [True, False])  # Qwen3-VL / Qwen3.5, Qwen2-VL
 @pytest.mark.parametrize("streams", [3, 2])  # [3, B, S] streams, or [B, S] for all three
-def test_interleaved_mrope_table(streams):
+def test_mrope_table(streams, interleaved):
     g = torch.Generator(device=DEVICE).manual_seed(streams)
     half, section = 32, (12, 10, 10)      # Qwen3-VL's (24, 20, 20) at half the width
     shape = (3, 2, 9) if streams == 3 else (2, 9)
     pos = torch.randint(0, 3000, shape, generator=g, device=DEVICE)
     inv = inv_freq(half, 5e6)
     cos, sin = rope_cos_sin(pos, inv, torch.bfloat16, mrope_section=section,
-                            mrope_interleaved=True)
-    want = rope_cos_sin_ref(pos, inv, torch.bfloat16, 1.0, section, True)
+                            mrope_interleaved=interleaved)
+    want = rope_cos_sin_ref(pos, inv, torch.bfloat16, 1.0, section, interleaved)
     assert torch.equal(cos, want[0]) and torch.equal(sin, want[1])
     if streams == 3:  # the streams really differ: the plain table would not match
         plain = rope_cos_sin_ref(pos[0], inv, torch.bfloat16)

@@ -435,7 +435,8 @@ def rope_cos_sin(
     mrope_interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The rotary table a NeoX-style HF rotary embedding returns, in one launch: the cos/sin
-    the op computes in-kernel for the same positions, bit for bit (docs/spec.md, R2).
+    the op computes in-kernel for the same positions, bit for bit (docs/spec.md §1,
+    step 2).
 
     For callers that must also hand cos/sin to code other than the op (the HF integration's
     rotary embedding, in eager mode; docs/design.md, "The rotary table"). Not traceable: under

@@ -256,4 +256,3 @@ def launch_cos_sin(positions, inv_freq, cos, sin, opts: Options):
                 INTERPRETER=interpreting(), num_warps=max(1, min(4, block_t * block_f // 256)))
     compiled = COS_SIN_LAUNCHER.launch(grid, args, meta, positions.device)
     return compiled, grid, args, meta
-
