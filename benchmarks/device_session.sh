@@ -34,6 +34,9 @@
 #                                                  # tree, then tile_sweep: bf16, fp8-pth-q8 and
 #                                                  # int8-pth, production and each variant at 4
 #                                                  # tiles, alternating (tests ~2-3 min, sweep ~3)
+#   bash benchmarks/device_session.sh quant-tiles HQ,HKV,T,WARPS... # tile_sweep: bf16, fp8-pth-q8,
+#                                                  # int8-pth at pick_config's tile and each
+#                                                  # given one, alternating (~4 min)
 #   bash benchmarks/device_session.sh verify REV # after a kernel change: tests, suite, A/B, sweep
 #   bash benchmarks/device_session.sh e2e-ab SRC [ARGS] # e2e cells, another tree's src/ (e.g. a
 #                                                  # carried `git archive REV src` copy) against
@@ -153,6 +156,17 @@ case "${1:-tests}" in
       [ $mode = fp8-pth-q8 ] && f="--kv-scales per-token-head --kv-dtype fp8 --q-out fp8"
       timeout 240 python3 benchmarks/tile_sweep.py --rows $rows $f --rounds 3 \
         --configs $tiles --variants $kernels > "$OUT/tiles-$mode.md" 2>&1; echo "$mode rc=$?"
+    done
+    grep -h "^#" "$OUT"/tiles-*.md | cut -c1-400 ;;
+  quant-tiles) # pick_config's tile against the given ones per output mode (bf16 first, for the
+    # ratio), candidates alternating in one process (docs/perf-notes.md, lead 6)
+    shift; tiles="pick $*"; rows=1,2,3,4,5,6,7,8,9,10,11,12,13,p1,p2,p3
+    for mode in bf16 fp8-pth-q8 int8-pth; do
+      case $mode in bf16) f="";;
+        fp8-pth-q8) f="--kv-dtype fp8 --kv-scales per-token-head --q-out fp8";;
+        int8-pth) f="--kv-dtype int8 --kv-scales per-token-head";; esac
+      timeout 180 python3 benchmarks/tile_sweep.py --rows $rows $f --configs $tiles --rounds 3 \
+        > "$OUT/tiles-$mode.md" 2>&1; echo "$mode rc=$?"
     done
     grep -h "^#" "$OUT"/tiles-*.md | cut -c1-400 ;;
   verify) # GPU tests (xdist), the suite, the partial-rotary preset's sweep, kernel_ab against REV
