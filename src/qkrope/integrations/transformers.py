@@ -221,14 +221,10 @@ def _layer_options(m, family: _Family, rotary) -> tuple[str | None, dict]:
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not (
             math.isfinite(scale) and scale > 0):
         return f"the rotary embedding's attention_scaling is {scale!r}", {}
-    section = None
-    if _ROTARY[type(rotary).__name__]:
-        sec = tuple(rotary.mrope_section)
-        if len(sec) != 3 or any(isinstance(s, bool) or not isinstance(s, int) or s < 0
-                                for s in sec) or sec[1] + sec[2] > half:
-            return f"mrope_section {sec!r} does not fit {half} rotary frequencies", {}
-        # Interleaved: the T stream holds every frequency H and W do not take, whatever sec[0].
-        section = (half - sec[1] - sec[2], sec[1], sec[2])
+    section = _mrope_section(rotary, half)
+    if section == ():
+        return (f"mrope_section {tuple(rotary.mrope_section)!r} does not fit {half} rotary "
+                f"frequencies"), {}
     q_out = m.q_proj.out_features // (2 if family.gated else 1)
     Hq, Hkv = q_out // D, m.k_proj.out_features // D
     if Hq * D != q_out or Hkv * D != m.k_proj.out_features or Hkv < 1 or Hq % Hkv:
@@ -244,6 +240,27 @@ def _layer_options(m, family: _Family, rotary) -> tuple[str | None, dict]:
     return None, dict(gated=family.gated, norm_rounding=rounding, norm_weight_offset=offset,
                       mrope_section=section, eps=eps, rotary_dim=2 * half,
                       cos_sin_scale=float(scale), op_options=key, eps_attr=_eps_attr(m.q_norm))
+
+
+def _mrope_section(rotary: torch.nn.Module, half: int) -> tuple | None:
+    """The op's (T, H, W) interleaved mRoPE section of ``rotary`` with ``half`` frequencies:
+    None for a plain rotary, () where its ``mrope_section`` does not fit them."""
+    if not _ROTARY[type(rotary).__name__]:
+        return None
+    sec = tuple(rotary.mrope_section)
+    if len(sec) != 3 or any(isinstance(s, bool) or not isinstance(s, int) or s < 0
+                            for s in sec) or sec[1] + sec[2] > half:
+        return ()
+    # Interleaved: the T stream holds every frequency H and W do not take, whatever sec[0].
+    return (half - sec[1] - sec[2], sec[1], sec[2])
+
+
+def _inv_freq32(rotary: torch.nn.Module) -> torch.Tensor:
+    """The rotary's ``inv_freq`` in fp32, read once per forward, not once per layer
+    (model.to(bf16) casts the buffer; HF upcasts it): an eager step launches one conversion,
+    not one per layer (docs/design.md, "Compile route")."""
+    inv_freq = rotary.inv_freq
+    return inv_freq if inv_freq.dtype == torch.float32 else inv_freq.float()
 
 
 def _text_rotaries(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
@@ -273,10 +290,9 @@ def _rotary_forward(self, x, position_ids, *args, **kwargs):
                                   self.rope_type != table.rope_type or
                                   not (interpreting() or native_ready())):
             table = None
-    inv_freq = cos = None
+    cos = None
     if table is not None:
-        inv_freq = self.inv_freq
-        inv_freq = inv_freq if inv_freq.dtype == torch.float32 else inv_freq.float()
+        inv_freq = _inv_freq32(self)
         try:
             cos, sin = rope_cos_sin(position_ids, inv_freq, table.dtype,
                                     cos_sin_scale=self.attention_scaling,
@@ -286,11 +302,7 @@ def _rotary_forward(self, x, position_ids, *args, **kwargs):
             cos = None
     if cos is None:
         cos, sin = _stock_forward(self, x, position_ids, *args, **kwargs)
-        # After the stock forward's dynamic update; in fp32 once per forward, not once per
-        # layer (model.to(bf16) casts the buffer; HF upcasts it): an eager step launches one
-        # conversion, not one per layer (docs/design.md, "Compile route").
-        inv_freq = self.inv_freq
-        inv_freq = inv_freq if inv_freq.dtype == torch.float32 else inv_freq.float()
+        inv_freq = _inv_freq32(self)  # after the stock forward's dynamic update
     state["positions"] = position_ids
     state["inv_freq"] = inv_freq
     state["scale"] = self.attention_scaling  # read here, once per forward, not in every layer
@@ -329,25 +341,19 @@ def _probe_table(rotary: torch.nn.Module, dtype: torch.dtype) -> _Table | None:
             rotary._qkrope_previous_forward is not None or \
             type(rotary.attention_scaling) is not float:
         return None
-    inv_freq = rotary.inv_freq
-    device, half = inv_freq.device, inv_freq.shape[-1]
-    if not (device.type == "cuda" or (device.type == "cpu" and interpreting())) or \
-            inv_freq.dim() != 1 or half < 1:
-        return None
-    section = None
+    # (patch hooks only rotaries whose layers it fuses: inv_freq 1-D on the op's device, a
+    # fitting mRoPE section)
+    device, half = rotary.inv_freq.device, rotary.inv_freq.shape[0]
+    section = _mrope_section(rotary, half)
     pos = torch.cat([torch.arange(48), torch.tensor([255, 1000, 4095, 8191, 32767, 65535,
                                                      131071, 1048575])]).to(device)[None]
-    if _ROTARY[type(rotary).__name__]:
-        sec = tuple(rotary.mrope_section)
-        if len(sec) != 3 or sec[1] + sec[2] > half:
-            return None
-        section = (half - sec[1] - sec[2], sec[1], sec[2])
+    if section is not None:
         pos = torch.stack([pos, pos // 2 + 3, pos // 3 + 7])
     x = torch.zeros(1, dtype=dtype, device=device)
     try:
         with torch.no_grad():
             want = _stock_forward(rotary, x, pos)
-            got = rope_cos_sin(pos, inv_freq.float(), dtype,
+            got = rope_cos_sin(pos, _inv_freq32(rotary), dtype,
                                cos_sin_scale=rotary.attention_scaling, mrope_section=section,
                                mrope_interleaved=section is not None)
     except Exception:  # noqa: BLE001 (whatever fails here, the stock forward stays)

@@ -21,8 +21,9 @@ from __future__ import annotations
 import torch
 
 from .checks import (
-    ACTIVATION_DTYPES, FP32_MAX, FP32_TINY, Options, check_bhsd, check_cos_sin, check_out,
-    check_paged, check_scales, dtype_name, head_count, refuse_autograd, scalar_on, tensor_arg,
+    ACTIVATION_DTYPES, FP32_MAX, FP32_TINY, TABLE_DTYPES, Options, check_bhsd, check_cos_sin,
+    check_out, check_paged, check_scales, dtype_name, head_count, refuse_autograd, scalar_on,
+    tensor_arg,
 )
 from .launcher import COS_SIN_LAUNCHER, LAUNCHER, launch_cos_sin
 from .registration import options_key, qknorm_rope
@@ -460,29 +461,29 @@ def rope_cos_sin(
     """
     if type(mrope_section) is list:
         mrope_section = tuple(mrope_section)
-    key = ("cos_sin", cos_sin_scale, mrope_section, mrope_interleaved)
-    fast = (type(position_ids) is torch.Tensor and type(inv_freq) is torch.Tensor and
-            position_ids.dim() in (2, 3) and inv_freq.dim() == 1 and
-            dtype in (torch.bfloat16, torch.float16, torch.float32) and
-            not torch.compiler.is_compiling())
-    if fast:
-        shape = (*position_ids.shape[-2:], 2 * inv_freq.shape[0])
-        cos = torch.empty(shape, dtype=dtype, device=position_ids.device)
-        sin = torch.empty(shape, dtype=dtype, device=position_ids.device)
+    if (type(position_ids) is torch.Tensor and type(inv_freq) is torch.Tensor and
+            position_ids.dim() in (2, 3) and inv_freq.dim() == 1 and dtype in TABLE_DTYPES and
+            not torch.compiler.is_compiling()):
+        cos, sin = _tables(position_ids, inv_freq, dtype)
         if type(cos_sin_scale) is float and (mrope_section is None or all(
                 type(x) is int for x in mrope_section)) and type(mrope_interleaved) is bool and (
-                COS_SIN_LAUNCHER.fast_call(key, (position_ids, inv_freq, cos, sin), (), ())
-                is not None):
+                COS_SIN_LAUNCHER.fast_call(
+                    ("cos_sin", cos_sin_scale, mrope_section, mrope_interleaved),
+                    (position_ids, inv_freq, cos, sin), (), ()) is not None):
             return cos, sin
     opts = check_cos_sin(position_ids, inv_freq, dtype, Options(
         cos_sin_scale=cos_sin_scale, mrope_section=mrope_section,
         mrope_interleaved=mrope_interleaved))
-    if not fast:
-        shape = (*position_ids.shape[-2:], 2 * inv_freq.shape[0])
-        cos = torch.empty(shape, dtype=dtype, device=position_ids.device)
-        sin = torch.empty(shape, dtype=dtype, device=position_ids.device)
+    cos, sin = _tables(position_ids, inv_freq, dtype)
     launched = launch_cos_sin(position_ids, inv_freq, cos, sin, opts)
     key = ("cos_sin", opts.cos_sin_scale, opts.mrope_section, opts.mrope_interleaved)
     COS_SIN_LAUNCHER.remember(key, (position_ids, inv_freq, cos, sin), (), launched,
                               position_ids.get_device())
     return cos, sin
+
+
+def _tables(position_ids, inv_freq, dtype):
+    """Fresh cos and sin tables, [B, S, R] contiguous."""
+    shape = (*position_ids.shape[-2:], 2 * inv_freq.shape[0])
+    return (torch.empty(shape, dtype=dtype, device=position_ids.device),
+            torch.empty(shape, dtype=dtype, device=position_ids.device))

@@ -22,8 +22,8 @@ from .._overlap import check_disjoint
 __all__ = ["HEAD_DIMS", "ACTIVATION_DTYPES", "FP8_CACHE_DTYPES", "INDEX_DTYPES", "FP32_MAX",
            "FP32_TINY", "Options", "dtype_name", "tensor_arg", "scale_tensor", "scale_cache",
            "scalar_on",
-           "check_bhsd", "check_paged", "check_cos_sin", "check_out", "head_count",
-           "refuse_autograd",
+           "check_bhsd", "check_paged", "check_cos_sin", "TABLE_DTYPES", "kernel_device",
+           "check_out", "head_count", "refuse_autograd",
            "check_overlap"]
 
 HEAD_DIMS = (64, 128, 256, 512)
@@ -342,13 +342,18 @@ def _check_common(query, key, value, key_cache, value_cache, q_norm_weight, k_no
         if x.device != device:
             raise ValueError(f"{name} is on {x.device} but query is on {device}: all inputs must "
                              "be on one device")
+    kernel_device("query", device)
+    return opts
+
+
+def kernel_device(name: str, device: torch.device) -> None:
+    """Refuse a device the kernels cannot run on: CUDA, or the CPU under Triton's interpreter."""
     if device.type != "cuda" and not (device.type == "cpu" and interpreting()):
         hint = ("; use qkrope.reference on CPU, or set TRITON_INTERPRET=1 before importing "
                 "qkrope to run the kernel in Triton's interpreter" if device.type == "cpu"
                 else "")
         raise ValueError(f"the fused kernel needs CUDA tensors (CPU tensors in Triton's "
-                         f"interpreter), got query on {device}{hint}")
-    return opts
+                         f"interpreter), got {name} on {device}{hint}")
 
 
 def _positions(name: str, positions, tokens: tuple[int, ...], opts: Options, what: str) -> None:
@@ -458,9 +463,7 @@ def check_cos_sin(position_ids, inv_freq, dtype, opts: Options) -> Options:
     if inv_freq.device != device:
         raise ValueError(f"inv_freq is on {inv_freq.device} but position_ids is on {device}: "
                          f"both must be on one device")
-    if device.type != "cuda" and not (device.type == "cpu" and interpreting()):
-        raise ValueError(f"the rotary table's kernel needs CUDA tensors (CPU tensors in "
-                         f"Triton's interpreter), got position_ids on {device}")
+    kernel_device("position_ids", device)
     return opts
 
 
