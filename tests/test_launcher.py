@@ -463,6 +463,57 @@ def test_pick_config_narrows_kv_tiles_only_for_int8_caches_of_few_tokens(h200_sm
     assert launcher.pick_config(B, T, 96, 8, 128, False)[1] == (1 if B * T == 1 else 8)
 
 
+@pytest.mark.parametrize("B, T, want", [
+    (1, 128, (8, 4, 1, 2)),    # #3: an FP8 query beside per-token-head caches, 8 + 4 heads
+    (64, 1, (8, 4, 1, 2)),     # p1
+    (1, 293, (8, 4, 1, 2)),    # #8
+    (2, 512, (16, 8, 1, 2)),   # #9: past 512 tokens the usual tile
+    (1, 1, (1, 1, 1, 1)),      # a decode step: one head a program either way
+])
+def test_pick_config_narrows_q_and_kv_tiles_for_an_fp8_query_of_few_tokens(h200_sms, B, T,
+                                                                         want):
+    assert tuple(launcher.pick_config(B, T, 96, 8, 128, False, False, True)) == want
+    assert tuple(launcher.pick_config(B, T, 96, 8, 128, False, True, True)) == want
+
+
+class _Picked(Exception):
+    pass
+
+
+@pytest.mark.parametrize("kv, q_out, want", [
+    ("bf16", torch.bfloat16, (16, 8, 1, 2)),
+    ("fp8", torch.float8_e4m3fn, (16, 8, 1, 2)),        # per-tensor cache scales
+    ("fp8-pth", torch.bfloat16, (16, 8, 1, 2)),         # a bf16 query: the usual tile
+    ("fp8-pth", torch.float8_e4m3fn, (8, 4, 1, 2)),
+    ("int8-pth", torch.bfloat16, (16, 4, 1, 2)),
+    ("int8-pth", torch.float8_e4m3fn, (8, 4, 1, 2)),
+])
+def test_a_call_takes_the_tile_of_its_stores(h200_sms, monkeypatch, kv, q_out, want):
+    # What launch() tells pick_config of its stores, from the tensors it is given: 128 tokens of
+    # 96 / 8 heads, the call stopped at the pick (the GPU's rule, not the interpreter's).
+    seen, rule = [], launcher.pick_config.__wrapped__
+
+    def pick(*a):
+        seen.append(rule(*a[:5], False, *a[6:]))
+        raise _Picked
+
+    pick.cache_clear = lambda: None  # (h200_sms clears the cache before this is undone)
+    monkeypatch.setattr(launcher, "pick_config", pick)
+    args = list(make_inputs(Case(B=1, Hq=96, Hkv=8, S=128, D=128, L=128)))
+    kw = {}
+    if kv != "bf16":
+        dtype = torch.int8 if kv == "int8-pth" else torch.float8_e4m3fn
+        args[4], args[5] = args[4].to(dtype), args[5].to(dtype)
+        kw.update(dict(k_scale_cache=torch.zeros(args[4].shape[:-1]),
+                       v_scale_cache=torch.zeros(args[5].shape[:-1])) if kv.endswith("pth")
+                  else dict(k_scale=0.05, v_scale=0.05))
+    if q_out != torch.bfloat16:
+        kw.update(query_out=torch.empty(args[0].shape, dtype=q_out), q_scale=0.01)
+    with pytest.raises(_Picked):
+        qkrope.fused_rope_with_qk_norm_and_kv_cache_update(*args, **kw)
+    assert tuple(seen[0]) == want
+
+
 @pytest.mark.parametrize("name", ["bhsd", "paged-fp8"])
 def test_fast_path_bumps_what_it_writes(fake, name):
     # The native bump(): the caches (and a scale cache where given) and every output, as the

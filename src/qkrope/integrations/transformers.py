@@ -302,7 +302,11 @@ def _rotary_forward(self, x, position_ids, *args, **kwargs):
             cos = None
     if cos is None:
         cos, sin = _stock_forward(self, x, position_ids, *args, **kwargs)
-        inv_freq = _inv_freq32(self)  # after the stock forward's dynamic update
+        # After the stock forward's dynamic update; written out, not :func:`_inv_freq32`: under
+        # torch.compile each module-level function read is one more guard on every step.
+        inv_freq = self.inv_freq
+        if inv_freq.dtype != torch.float32:
+            inv_freq = inv_freq.float()
     state["positions"] = position_ids
     state["inv_freq"] = inv_freq
     state["scale"] = self.attention_scaling  # read here, once per forward, not in every layer

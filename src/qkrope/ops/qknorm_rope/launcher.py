@@ -54,25 +54,31 @@ class TileConfig(NamedTuple):
 # so few tokens that its tiles would leave SMs idle; past that, a program per head repeats the
 # tile's trig and address work for every head.
 ONE_HEAD_MAX_TOKENS = 4
-# INT8 per-token-head caches: their K/V programs (amax, scale, codes rounded half away from
-# zero) are the slower half of a mid-size call; up to this many tokens more of them, of at most
-# 4 KV heads each, finish it sooner (docs/design.md, "Per-token-head scales").
-INT8_NARROW_KV_MAX_TOKENS = 512
+# Quantised stores that lengthen a program: up to this many tokens, more, narrower programs
+# finish a call sooner (docs/design.md, "Per-token-head scales"). INT8 per-token-head caches'
+# K/V programs (amax, scale, codes rounded half away from zero) take at most 4 KV heads; an FP8
+# query beside per-token-head caches makes the Q programs the slow half (16-byte stores in a
+# layout of their own): at most 8 query heads and 4 KV heads.
+NARROW_MAX_TOKENS = 512
 
 
 @functools.lru_cache(maxsize=1024)
 def pick_config(B: int, T: int, Hq: int, Hkv: int, D: int, interpret: bool,
-                int8_cache: bool = False) -> TileConfig:
-    """Tile shape for ``B`` x ``T`` tokens (``int8_cache``: INT8 per-token-head caches); cached
-    per shape so the hot path does no search."""
+                int8_cache: bool = False, fp8_query_pth: bool = False) -> TileConfig:
+    """Tile shape for ``B`` x ``T`` tokens (``int8_cache``: INT8 per-token-head caches;
+    ``fp8_query_pth``: an FP8 query output beside per-token-head caches); cached per shape so
+    the hot path does no search."""
     if interpret:
         # ~5 ms per program instance in the interpreter: few programs, whole head groups.
         return TileConfig(triton.next_power_of_2(Hq), triton.next_power_of_2(Hkv),
                           min(triton.next_power_of_2(T), 32), 4)
     block_hq = min(triton.next_power_of_2(Hq), max(1, 2048 // D))
     block_hkv = min(triton.next_power_of_2(Hkv), max(1, 1024 // D))
-    if int8_cache and B * T <= INT8_NARROW_KV_MAX_TOKENS:
-        block_hkv = min(block_hkv, 4)
+    if B * T <= NARROW_MAX_TOKENS:
+        if int8_cache or fp8_query_pth:
+            block_hkv = min(block_hkv, 4)
+        if fp8_query_pth:
+            block_hq = min(block_hq, 8)
     programs = B * T * (triton.cdiv(Hq, block_hq) + triton.cdiv(Hkv, block_hkv))
     if programs < _num_sms() and (B * T <= ONE_HEAD_MAX_TOKENS or D > 128):
         # A decode step of a few tokens: one head per program spreads it over the chip. Tiles
@@ -142,7 +148,8 @@ def launch(query, key, value, positions, key_cache, value_cache, slots, q_norm_w
     else:
         args, (B, T), bhtd = _paged_args(opts.layout, key_cache, value_cache, positions)
     Hq, Hkv, D = query.shape[1], key.shape[1], query.shape[-1]  # [B, H, S, D] or [T, H, D]
-    cfg = pick_config(B, T, Hq, Hkv, D, interpreting(), key_cache.dtype == torch.int8)
+    cfg = pick_config(B, T, Hq, Hkv, D, interpreting(), key_cache.dtype == torch.int8,
+                      query_out.dtype != query.dtype and k_scale_cache is not None)
     grid = (triton.cdiv(T, cfg.block_t),
             triton.cdiv(Hq, cfg.block_hq) + triton.cdiv(Hkv, cfg.block_hkv), B)
     unused = inv_freq  # any valid pointer for an absent scale; the kernel never reads it
