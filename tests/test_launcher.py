@@ -504,11 +504,11 @@ def test_a_call_takes_the_tile_of_its_stores(h200_sms, monkeypatch, kv, q_out, w
     if kv != "bf16":
         dtype = torch.int8 if kv == "int8-pth" else torch.float8_e4m3fn
         args[4], args[5] = args[4].to(dtype), args[5].to(dtype)
-        kw.update(dict(k_scale_cache=torch.zeros(args[4].shape[:-1]),
-                       v_scale_cache=torch.zeros(args[5].shape[:-1])) if kv.endswith("pth")
-                  else dict(k_scale=0.05, v_scale=0.05))
+        kw.update(dict(k_scale_cache=args[4].new_zeros(args[4].shape[:-1], dtype=torch.float),
+                       v_scale_cache=args[5].new_zeros(args[5].shape[:-1], dtype=torch.float))
+                  if kv.endswith("pth") else dict(k_scale=0.05, v_scale=0.05))
     if q_out != torch.bfloat16:
-        kw.update(query_out=torch.empty(args[0].shape, dtype=q_out), q_scale=0.01)
+        kw.update(query_out=args[0].new_empty(args[0].shape, dtype=q_out), q_scale=0.01)
     with pytest.raises(_Picked):
         qkrope.fused_rope_with_qk_norm_and_kv_cache_update(*args, **kw)
     assert tuple(seen[0]) == want
