@@ -15,7 +15,7 @@ breaks a variant loudly instead of silently timing the production kernel
 (tests/test_variants.py). Variants that were adopted or refuted (rstd_first, two_q_heads,
 trig_first_single_row; the eviction hints of docs/design.md §Tile rule: commit bdd73a8;
 partial_rotary_freqs, fma_division, satfinite_store, fp8_stores, pth_amax_max, int8_no_clamp,
-pth_lean, pth_early, pth_lean_early: adopted, in git before the commit that adopted them;
+pth_lean, pth_early, pth_lean_early, pth_fma_quotient: adopted, in git before the commit that adopted them;
 q8_store8: refuted, docs/perf-notes.md lead 6 g) are in git history. What each variant
 measured: docs/design.md and docs/perf-notes.md.
 
@@ -61,24 +61,6 @@ _NO_TRIG = [Edit(KERNEL, "cos = libdevice.cos(angle)", "cos = angle * 0.0 + 1.0"
 _TRIG_HW = [Edit(KERNEL, "cos = libdevice.cos(angle)", "cos = libdevice.fast_cosf(angle)"),
             Edit(KERNEL, "sin = libdevice.sin(angle)", "sin = libdevice.fast_sinf(angle)")]
 
-# A per-token-head row's scale amax / Q as a product and one FMA correction instead of div_rn:
-# straight-line code (div_rn ends a basic block in sm_90 SASS), exact for every bf16 and fp16
-# amax, Q 127 and 448 (docs/perf-notes.md lead 6 i: checked exhaustively on the CPU).
-_PTH_FMA_QUOTIENT = [
-    Edit(QUANTIZE, """@triton.jit
-def _token_head_scale(amax, out_ptr):""", """@triton.jit
-def _quotient(a, Q: tl.constexpr):
-    q0 = a * (1.0 / Q)
-    q1 = tl.fma(tl.fma(-q0, Q, a), 1.0 / Q, q0)
-    return tl.where(q1 == q1, q1, q0)  # (inf: fma(-inf, Q, inf) is NaN)
-
-
-@triton.jit
-def _token_head_scale(amax, out_ptr):"""),
-    Edit(QUANTIZE, "tl.math.div_rn(amax, 127.0)", "_quotient(amax, 127.0)"),
-    Edit(QUANTIZE, "tl.math.div_rn(amax, 448.0)", "_quotient(amax, 448.0)"),
-]
-
 #: name -> (what it probes, edits).
 VARIANTS: dict[str, tuple[str, list[Edit]]] = {
     "skeleton": ("loads and stores only, no norm, rotation or trig: a lower bound for this "
@@ -87,9 +69,6 @@ VARIANTS: dict[str, tuple[str, list[Edit]]] = {
                 "costs (wrong results by design)", _NO_TRIG),
     "trig_hw": ("libdevice's fast_cosf/fast_sinf (MUFU approximations) instead of the accurate "
                 "cos/sin: cost probe, wrong at large angles", _TRIG_HW),
-    "pth_fma_quotient": ("a per-token-head row's scale amax / Q from a product and one FMA "
-                         "correction, not div_rn (exact for every bf16/fp16 amax; "
-                         "docs/perf-notes.md lead 6 i)", _PTH_FMA_QUOTIENT),
     "int32_addressing": ("every int64 conversion made int32: what int64 offsets cost (wrong "
                          "past 2**31 elements by design)",
                          [Edit(KERNEL, ".to(tl.int64)", ".to(tl.int32)", every=True)]),

@@ -4,6 +4,10 @@ vLLM 0.34's ``fp8_per_token_head`` cache layout (``qkrope.vllm_per_token_head_vi
 separate scale tensors; both entry points; special rows; skipped rows untouched. CPU: the real
 kernel in Triton's interpreter."""
 
+import importlib.util
+import pathlib
+
+import numpy as np
 import pytest
 import torch
 from helpers import DEVICE, Case, make_inputs
@@ -291,3 +295,24 @@ def test_int8_cache_needs_scale_caches():
     with pytest.raises(ValueError, match="an int8 key_cache takes per-token-head scales: pass "
                                          "k_scale_cache"):
         qkrope.fused_qk_norm_rope_paged(*args[:4], kc, vc, *args[6:], **kwargs)
+
+
+@pytest.mark.parametrize("Q", [127.0, 448.0])
+def test_a_rows_scale_quotient_is_the_ieee_quotient_for_every_amax(Q):
+    """On a GPU the kernel computes a row's ``amax / Q`` as ``quantize._quotient``: a product by
+    RN(1/Q) and one FMA correction (the interpreter divides). Emulated with exact FMAs, that
+    equals the IEEE quotient for every amax a row can have (each bf16 and fp16 value >= 0, and
+    inf), and the check has teeth: the product alone differs."""
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "fp8_division_check.py"
+    spec = importlib.util.spec_from_file_location("fp8_division_check", path)
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    x = np.concatenate([check.every_value(torch.bfloat16), check.every_value(torch.float16),
+                        [np.inf]]).astype(check.F32)
+    x = x[x >= 0]
+    want = (x.astype(check.F64) / check.F64(Q)).astype(check.F32)
+    with np.errstate(invalid="ignore"):
+        got = check.kernel_quotient(x, check.F32(Q))
+    assert np.array_equal(got, want)
+    product = (x.astype(check.F64) * check.F64(check.F32(1.0 / Q))).astype(check.F32)
+    assert not np.array_equal(product, want)

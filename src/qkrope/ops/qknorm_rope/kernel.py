@@ -496,7 +496,7 @@ def qknorm_rope_kernel(
             v32 = _f32(v, INTERPRETER)
             v_amax = _token_head_amax(v32, v32, v_cache_ptr)
         if K_DYN:
-            k_sc, k_r = _token_head_scale(k_amax, k_cache_ptr)
+            k_sc, k_r = _token_head_scale(k_amax, k_cache_ptr, INTERPRETER)
             _store_codes(k_cache_ptr, kc_row + d_lo * stride_kc_d, k32_lo * k_r, row_mask,
                          INTERPRETER, SAT_CVT)
             _store_codes(k_cache_ptr, kc_row + d_hi * stride_kc_d, k32_hi * k_r, row_mask,
@@ -510,7 +510,7 @@ def qknorm_rope_kernel(
             _store_scaled(k_cache_ptr, kc_row + d_hi * stride_kc_d, k_hi, row_mask, kc_sc,
                           K_SCALED, INTERPRETER, SAT_CVT)
         if V_DYN:
-            v_sc, v_r = _token_head_scale(v_amax, v_cache_ptr)
+            v_sc, v_r = _token_head_scale(v_amax, v_cache_ptr, INTERPRETER)
             _store_codes(v_cache_ptr, vc_row + d_full * stride_vc_d, v32 * v_r, row_mask,
                          INTERPRETER, SAT_CVT)
             tl.store(v_scale_cache_ptr + _cache_row(row3, b, hk_i, block_size, stride_vsc_b,

@@ -106,26 +106,30 @@ def _token_head_amax(x_lo, x_hi, out_ptr):
 
 
 @triton.jit
-def _quotient(a, Q: tl.constexpr):
+def _quotient(a, Q: tl.constexpr, INTERPRETER: tl.constexpr):
     """``a / Q`` rounded to nearest, as ``div_rn`` gives it, from a product and one FMA
     correction: exact for every amax a row can have (a bf16 or fp16 value >= 0, or inf), and
     shorter on the decode program's amax -> scale -> codes chain (docs/design.md,
-    "Per-token-head scales")."""
-    q0 = a * (1.0 / Q)
-    q1 = tl.fma(tl.fma(-q0, Q, a), 1.0 / Q, q0)
-    return tl.where(q1 == q1, q1, q0)  # (inf: fma(-inf, Q, inf) is NaN)
+    "Per-token-head scales"). The interpreter has no fused FMA: it divides."""
+    if INTERPRETER:
+        q = tl.math.div_rn(a, Q)
+    else:
+        q0 = a * (1.0 / Q)
+        q1 = tl.fma(tl.fma(-q0, Q, a), 1.0 / Q, q0)
+        q = tl.where(q1 == q1, q1, q0)  # (inf: fma(-inf, Q, inf) is NaN)
+    return q
 
 
 @triton.jit
-def _token_head_scale(amax, out_ptr):
+def _token_head_scale(amax, out_ptr, INTERPRETER: tl.constexpr):
     """A written row's scale and its reciprocal from :func:`_token_head_amax`:
     ``s = max(amax / Q, 1e-6)``, Q = 448 for e4m3, 127 for int8, as vLLM's per-token-head
     writer; an int8 row holding a NaN gets scale NaN (int8 has no NaN code: the row reads back
     as NaN, never as in-range data), and so does the reciprocal its codes are made with: every
     code of that row 0."""
     if out_ptr.dtype.element_ty == tl.int8:
-        s = tl.maximum(_quotient(amax, 127.0), 1e-6)
+        s = tl.maximum(_quotient(amax, 127.0, INTERPRETER), 1e-6)
         stored = tl.where(amax != amax, float("nan"), s)
     else:
-        stored = tl.maximum(_quotient(amax, 448.0), 1e-6)
+        stored = tl.maximum(_quotient(amax, 448.0, INTERPRETER), 1e-6)
     return stored, tl.math.div_rn(1.0, stored)
