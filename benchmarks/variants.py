@@ -15,8 +15,8 @@ breaks a variant loudly instead of silently timing the production kernel
 (tests/test_variants.py). Variants that were adopted or refuted (rstd_first, two_q_heads,
 trig_first_single_row; the eviction hints of docs/design.md §Tile rule: commit bdd73a8;
 partial_rotary_freqs, fma_division, satfinite_store, fp8_stores, pth_amax_max, int8_no_clamp,
-pth_lean, pth_early, pth_lean_early, pth_fma_quotient: adopted, in git before the commit that adopted them;
-q8_store8: refuted, docs/perf-notes.md lead 6 g) are in git history. What each variant
+pth_lean, pth_early, pth_lean_early, pth_fma_quotient: adopted, in git before the commit that
+adopted them; q8_store8: refuted, docs/perf-notes.md lead 6 g) are in git history. What each variant
 measured: docs/design.md and docs/perf-notes.md.
 
     python benchmarks/variants.py /tmp/v [NAME ...]     # writes /tmp/v/<name>/src, prints it

@@ -613,11 +613,10 @@ def _decode_step_guards(layers: int, patched: bool) -> int:
 #: Guards a patched model may check beyond the stock model's, once per model (not per layer):
 #: the fields of its two patch-time `_Static`s (12 each) and the functions and constants of the
 #: integration's module that its layers read (C++ ID/EQUALS matches, ~40-50 ns each on the GPU
-#: hosts: under 2.5 µs per step). Measured, 4 layers: transformers 5.25 (CPU, torch 2.13) +4,
-#: stock 765 / patched 769; 5.17 (H100, torch 2.11) stock 637, patched 686 with a module-level
-#: helper in the rotary forward's compiled path (its code-object guard; on the CPU exactly one
-#: guard), which failed this test, and 685 without it, which passed (5.25's stock layers also
-#: read transformers' kernel-hub rotary function). The margin is spent: 0 guards left.
+#: hosts: under 2.5 µs per step). Measured, 4 layers, stock / patched: transformers 5.25 (CPU,
+#: torch 2.13) 765 / 769; 5.17 708 / 753 (CPU) and 637 / 685 (H100, torch 2.11; 5.25's stock
+#: layers also read transformers' kernel-hub rotary function). No room is left: one more
+#: module-level function read in a compiled path (its code-object guard) fails this test.
 ONCE_PER_MODEL_GUARDS = 48
 
 
