@@ -134,7 +134,14 @@ def run_and_check(args: tuple, *, exact_fraction: float = 0.99, use_out: bool = 
         worst = (err - bound).max().item()
         assert worst <= 0, f"{name}_rotated: error exceeds derived bound by {worst}"
         same = (out == ref).float().mean().item()
-        assert same >= exact_fraction, f"{name}_rotated: only {same:.4%} bit-identical"
+        # At most a (1 - exact_fraction) share of the elements may differ (each within the
+        # bound), and at least one may: a call of a single 64-wide head would otherwise fail on
+        # one element an ulp apart (a large angle's cos in the interpreter against torch's).
+        allowed = (1 - exact_fraction) * out.numel()
+        if exact_fraction < 1:
+            allowed = max(allowed, 1.0)
+        assert (out != ref).sum().item() <= allowed, \
+            f"{name}_rotated: only {same:.4%} bit-identical"
         figures[name] = dict(max_abs_err=err.max().item(), bit_identical=same)
 
     # Caches: written rows hold exactly the kernel's own key_rotated / the value; every other row
