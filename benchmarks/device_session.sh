@@ -20,7 +20,8 @@
 #                                                  # e2e, in one call: after a change of the op
 #                                                  # or the integration (qwen3-8b only: the
 #                                                  # others pass the 600 s a call may take)
-#   bash benchmarks/device_session.sh quant      # qkrope only, bf16 vs each quantised mode, both layouts (~3 min)
+#   bash benchmarks/device_session.sh quant      # qkrope only, bf16 vs each quantised mode, both layouts (~3 min;
+#                                                  # one file per layout)
 #   bash benchmarks/device_session.sh tiles      # tile sweep on the mid-size workloads
 #   bash benchmarks/device_session.sh small-tiles # one head per program vs tiles, 1-64 tokens, 5 models
 #   bash benchmarks/device_session.sh trig       # trig cost: kernel variants trig_hw, no_trig
@@ -89,10 +90,13 @@ case "${1:-tests}" in
         case $mode in bf16) f="";; fp8) f="--kv-dtype fp8";;
           fp8-pth-q8) f="--kv-dtype fp8 --kv-scales per-token-head --q-out fp8";;
           int8-pth) f="--kv-dtype int8 --kv-scales per-token-head";; esac
-        # (markdown only: the device tool returns at most 8 files)
-        python3 -m qkrope bench --impl qkrope --layout $layout $f --no-graph --host-calls 500 \
-          > "$OUT/quant-$layout-$mode.md" 2>&1
-        echo "$layout $mode rc=$?"; grep -E "Geometric" "$OUT/quant-$layout-$mode.md"
+        # (one markdown file per layout: the device tool returns at most 8 files, so the step
+        # leaves room for another step's in the same call)
+        { echo "## $layout $mode"; echo
+          python3 -m qkrope bench --impl qkrope --layout $layout $f --no-graph --host-calls 500 \
+            2>&1 | grep -v "━"; echo "rc=${PIPESTATUS[0]}"; echo; } > /tmp/quant-run.md
+        cat /tmp/quant-run.md >> "$OUT/quant-$layout.md"
+        echo "$layout $mode $(grep "^rc=" /tmp/quant-run.md)"; grep -E "Geometric" /tmp/quant-run.md
       done
     done ;;
   tiles) python3 benchmarks/tile_sweep.py --rows 3,4,6,8,10 \
