@@ -102,6 +102,20 @@ def rope_tolerance(x: torch.Tensor, weight: torch.Tensor, position_ids: torch.Te
     return 4 * u * torch.cat((b1, b2), dim=-1)
 
 
+def assert_mostly_identical(out: torch.Tensor, ref: torch.Tensor, name: str,
+                            exact_fraction: float = 0.99) -> float:
+    """At most a ``1 - exact_fraction`` share of the elements differ from the reference's (the
+    callers bound each one), and at least one may: a call of a single 64-wide head would
+    otherwise fail on one element an ulp apart (a large angle's cos in the interpreter against
+    torch's). Returns the bit-identical fraction."""
+    allowed = (1 - exact_fraction) * out.numel()
+    if exact_fraction < 1:
+        allowed = max(allowed, 1.0)
+    same = (out == ref).float().mean().item()
+    assert (out != ref).sum().item() <= allowed, f"{name}: only {same:.4%} bit-identical"
+    return same
+
+
 def run_and_check(args: tuple, *, exact_fraction: float = 0.99, use_out: bool = True,
                   norm_rounding: str = "weight_fp32") -> dict:
     """Run the fused op (in place, poisoned outputs) and the reference; assert every contract.
@@ -133,15 +147,7 @@ def run_and_check(args: tuple, *, exact_fraction: float = 0.99, use_out: bool = 
         bound = rope_tolerance(x, w, position_ids, inv_freq, eps, norm_rounding)
         worst = (err - bound).max().item()
         assert worst <= 0, f"{name}_rotated: error exceeds derived bound by {worst}"
-        same = (out == ref).float().mean().item()
-        # At most a (1 - exact_fraction) share of the elements may differ (each within the
-        # bound), and at least one may: a call of a single 64-wide head would otherwise fail on
-        # one element an ulp apart (a large angle's cos in the interpreter against torch's).
-        allowed = (1 - exact_fraction) * out.numel()
-        if exact_fraction < 1:
-            allowed = max(allowed, 1.0)
-        assert (out != ref).sum().item() <= allowed, \
-            f"{name}_rotated: only {same:.4%} bit-identical"
+        same = assert_mostly_identical(out, ref, f"{name}_rotated", exact_fraction)
         figures[name] = dict(max_abs_err=err.max().item(), bit_identical=same)
 
     # Caches: written rows hold exactly the kernel's own key_rotated / the value; every other row

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from helpers import DEVICE, Case, make_inputs, poisoned_like, run_and_check
+from helpers import DEVICE, Case, assert_mostly_identical, make_inputs, poisoned_like, run_and_check
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -125,7 +125,7 @@ def check_rotated(pairs, eps, D, rotary_dim, style, offset, norm_rounding, cos_s
         n = rms_norm_ref(x, w, eps, norm_rounding, offset).float().abs()
         bound = 4 * u * max(1.0, cos_sin_scale) * (n + n[..., p])
         assert ((out.float() - ref.float()).abs() <= bound).all(), f"{name}: beyond bound"
-        assert (out == ref).float().mean() >= 0.99, f"{name}: < 99% bit-identical"
+        assert_mostly_identical(out, ref, name)
 
 
 def check(c: PCase):
