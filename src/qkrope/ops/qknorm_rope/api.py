@@ -461,6 +461,7 @@ def rope_cos_sin(
     """
     if type(mrope_section) is list:
         mrope_section = tuple(mrope_section)
+    cos = None
     if (type(position_ids) is torch.Tensor and type(inv_freq) is torch.Tensor and
             position_ids.dim() in (2, 3) and inv_freq.dim() == 1 and dtype in TABLE_DTYPES and
             not torch.compiler.is_compiling()):
@@ -474,7 +475,8 @@ def rope_cos_sin(
     opts = check_cos_sin(position_ids, inv_freq, dtype, Options(
         cos_sin_scale=cos_sin_scale, mrope_section=mrope_section,
         mrope_interleaved=mrope_interleaved))
-    cos, sin = _tables(position_ids, inv_freq, dtype)
+    if cos is None:  # (the fast path's tables serve here too: their shape passed these checks)
+        cos, sin = _tables(position_ids, inv_freq, dtype)
     launched = launch_cos_sin(position_ids, inv_freq, cos, sin, opts)
     key = ("cos_sin", opts.cos_sin_scale, opts.mrope_section, opts.mrope_interleaved)
     COS_SIN_LAUNCHER.remember(key, (position_ids, inv_freq, cos, sin), (), launched,

@@ -148,8 +148,9 @@ def launch(query, key, value, positions, key_cache, value_cache, slots, q_norm_w
     else:
         args, (B, T), bhtd = _paged_args(opts.layout, key_cache, value_cache, positions)
     Hq, Hkv, D = query.shape[1], key.shape[1], query.shape[-1]  # [B, H, S, D] or [T, H, D]
+    qo_scaled, k_dyn = query_out.dtype != query.dtype, k_scale_cache is not None
     cfg = pick_config(B, T, Hq, Hkv, D, interpreting(), key_cache.dtype == torch.int8,
-                      query_out.dtype != query.dtype and k_scale_cache is not None)
+                      qo_scaled and k_dyn)
     grid = (triton.cdiv(T, cfg.block_t),
             triton.cdiv(Hq, cfg.block_hq) + triton.cdiv(Hkv, cfg.block_hkv), B)
     unused = inv_freq  # any valid pointer for an absent scale; the kernel never reads it
@@ -182,10 +183,10 @@ def launch(query, key, value, positions, key_cache, value_cache, slots, q_norm_w
         MROPE=0 if opts.mrope_section is None else (2 if opts.mrope_interleaved else 1),
         SEC_T=section[0], SEC_H=section[1], SEC_W=section[2], PAGED=opts.layout != "bhsd",
         # FP8 stores: the caches, and the quantised outputs (docs/spec.md, R4).
-        K_SCALED=key_cache.dtype != query.dtype and k_scale_cache is None,
+        K_SCALED=key_cache.dtype != query.dtype and not k_dyn,
         V_SCALED=value_cache.dtype != query.dtype and v_scale_cache is None,
-        QO_SCALED=query_out.dtype != query.dtype, KO_SCALED=key_out.dtype != query.dtype,
-        K_DYN=k_scale_cache is not None, V_DYN=v_scale_cache is not None,
+        QO_SCALED=qo_scaled, KO_SCALED=key_out.dtype != query.dtype,
+        K_DYN=k_dyn, V_DYN=v_scale_cache is not None,
         BLOCK_HQ=cfg.block_hq, BLOCK_HKV=cfg.block_hkv, BLOCK_T=cfg.block_t,
         INTERPRETER=interpreting(),
         SAT_CVT=saturating_fp8_cvt(query.device),
