@@ -67,6 +67,8 @@ FEATURES = {
     "d512": ({}, None, 512),
     # Qwen3.5 / Qwen3-Next full attention: heads of 256, a quarter rotated, (1 + w) weights.
     "qwen35": ({"rotary_dim": 64, "norm_weight_offset": 1.0}, None, 256),
+    # rows from a running length the launch advances (HF's StaticLayer), its device assert
+    "append": ({"append": True}, None, None),
 }
 
 
@@ -82,6 +84,8 @@ def captured_launch(row, feature: str, config, num_sms: int, kernel):
     opts = row_options(row, **fields)
     if opts.mrope_section is not None:  # three position streams: [3, B, S] / [3, T]
         args[3] = torch.empty(3, *args[3].shape, dtype=args[3].dtype, device="meta")
+    if opts.append:  # the running length: one int64
+        args[6] = torch.empty((), dtype=torch.int64, device="meta")
     scales, q_out = (None, None, None, None, None), torch.empty_like(args[0])
     if quant is not None:
         dtype = {"int8-pth": torch.int8, "fp8-e5m2": torch.float8_e5m2}.get(
@@ -113,7 +117,7 @@ def compile_launch(kernel, grid, args: dict, meta: dict):
     Triton version may move them, which shows as FAILED rows)."""
     backend = make_backend(TARGET)
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-    kwargs = dict(args, **meta, debug=False, instrumentation_mode="")
+    kwargs = dict(args, **{"debug": False, "instrumentation_mode": "", **meta})
     bound, specialization, options = binder(**kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound,
                                                               specialization, options)

@@ -76,7 +76,7 @@ def test_mrope_table(streams, interleaved):
 
 @pytest.mark.parametrize("args, kwargs, error, name", [
     ((torch.zeros(1, 4), None, torch.bfloat16), {}, TypeError, "position_ids"),
-    ((torch.zeros(1, 4, dtype=torch.long), "bf16", torch.bfloat16), {}, TypeError,
+    ((torch.zeros(1, 4, dtype=torch.long), "f64", torch.bfloat16), {}, TypeError,
      "inv_freq"),
     ((torch.zeros(4, dtype=torch.long), None, torch.bfloat16), {}, ValueError, "position_ids"),
     ((torch.zeros(3, 1, 4, dtype=torch.long), None, torch.bfloat16), {}, ValueError,
@@ -89,6 +89,6 @@ def test_mrope_table(streams, interleaved):
 ])
 def test_refusals_name_the_argument(args, kwargs, error, name):
     pos, inv, dtype = args
-    inv = inv_freq(8) if inv is None else (inv_freq(8).bfloat16() if inv == "bf16" else inv)
+    inv = inv_freq(8) if inv is None else (inv_freq(8).double() if inv == "f64" else inv)
     with pytest.raises(error, match=name):
         rope_cos_sin(pos.to(DEVICE), inv, dtype, **kwargs)

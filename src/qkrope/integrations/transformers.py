@@ -74,7 +74,7 @@ from .._interpret import interpreting
 from ..ops._launch import native_ready
 from ..ops.qknorm_rope import fused_rope_with_qk_norm_and_kv_cache_update, rope_cos_sin
 from ..ops.qknorm_rope.checks import ACTIVATION_DTYPES, HEAD_DIMS, PLAIN_TENSORS, Options
-from ..ops.qknorm_rope.registration import op_options, qknorm_rope
+from ..ops.qknorm_rope.registration import op_options, qknorm_rope, qknorm_rope_append
 
 __all__ = ["patch", "unpatch", "is_patched", "patch_qwen3", "unpatch_qwen3", "FallbackWarning",
            "SUPPORTED_ATTENTION"]
@@ -139,6 +139,7 @@ class _Static(NamedTuple):
     rotary_dim: int = 0
     cos_sin_scale: float = 0.0
     op_options: str = ""
+    op_options_append: str = ""  # the same with append=True (a StaticLayer's running length)
     # Where the family's norms keep their epsilon, read at every call (a user may change it;
     # a layer pickled by an older qkrope has none: not checked).
     eps_attr: str = ""
@@ -233,13 +234,15 @@ def _layer_options(m, family: _Family, rotary) -> tuple[str | None, dict]:
     rounding = "weight_fp32" if family.offset_norm else "hf"
     offset = 1.0 if family.offset_norm else 0.0
     try:
-        key = op_options(Options("bhsd", "neox", 2 * half, offset, rounding, float(scale),
-                                 section, section is not None), D)
+        opts = Options("bhsd", "neox", 2 * half, offset, rounding, float(scale), section,
+                       section is not None)
+        key, key_append = op_options(opts, D), op_options(opts._replace(append=True), D)
     except (TypeError, ValueError) as err:
         return f"the op refuses its options: {err}", {}
     return None, dict(gated=family.gated, norm_rounding=rounding, norm_weight_offset=offset,
                       mrope_section=section, eps=eps, rotary_dim=2 * half,
-                      cos_sin_scale=float(scale), op_options=key, eps_attr=_eps_attr(m.q_norm))
+                      cos_sin_scale=float(scale), op_options=key, op_options_append=key_append,
+                      eps_attr=_eps_attr(m.q_norm))
 
 
 def _mrope_section(rotary: torch.nn.Module, half: int) -> tuple | None:
@@ -253,14 +256,6 @@ def _mrope_section(rotary: torch.nn.Module, half: int) -> tuple | None:
         return ()
     # Interleaved: the T stream holds every frequency H and W do not take, whatever sec[0].
     return (half - sec[1] - sec[2], sec[1], sec[2])
-
-
-def _inv_freq32(rotary: torch.nn.Module) -> torch.Tensor:
-    """The rotary's ``inv_freq`` in fp32, read once per forward, not once per layer
-    (model.to(bf16) casts the buffer; HF upcasts it): an eager step launches one conversion,
-    not one per layer (docs/design.md, "Compile route")."""
-    inv_freq = rotary.inv_freq
-    return inv_freq if inv_freq.dtype == torch.float32 else inv_freq.float()
 
 
 def _text_rotaries(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
@@ -291,8 +286,11 @@ def _rotary_forward(self, x, position_ids, *args, **kwargs):
                                   not (interpreting() or native_ready())):
             table = None
     cos = None
+    # As the buffer is (model.to(bf16) casts it): the op and the table read it as fp32, as
+    # HF's forward does, so no conversion launches (an unsupported dtype: the op refuses it,
+    # and the layers take the stock forward).
+    inv_freq = self.inv_freq
     if table is not None:
-        inv_freq = _inv_freq32(self)
         try:
             cos, sin = rope_cos_sin(position_ids, inv_freq, table.dtype,
                                     cos_sin_scale=self.attention_scaling,
@@ -302,11 +300,7 @@ def _rotary_forward(self, x, position_ids, *args, **kwargs):
             cos = None
     if cos is None:
         cos, sin = _stock_forward(self, x, position_ids, *args, **kwargs)
-        # After the stock forward's dynamic update; written out, not :func:`_inv_freq32`: under
-        # torch.compile each module-level function read is one more guard on every step.
-        inv_freq = self.inv_freq
-        if inv_freq.dtype != torch.float32:
-            inv_freq = inv_freq.float()
+        inv_freq = self.inv_freq  # after the stock forward's dynamic update
     state["positions"] = position_ids
     state["inv_freq"] = inv_freq
     state["scale"] = self.attention_scaling  # read here, once per forward, not in every layer
@@ -357,7 +351,7 @@ def _probe_table(rotary: torch.nn.Module, dtype: torch.dtype) -> _Table | None:
     try:
         with torch.no_grad():
             want = _stock_forward(rotary, x, pos)
-            got = rope_cos_sin(pos, _inv_freq32(rotary), dtype,
+            got = rope_cos_sin(pos, rotary.inv_freq, dtype,
                                cos_sin_scale=rotary.attention_scaling, mrope_section=section,
                                mrope_interleaved=section is not None)
     except Exception:  # noqa: BLE001 (whatever fails here, the stock forward stays)
@@ -646,7 +640,7 @@ def _prologue(self, static: _Static, state: dict, query, key, value, cache):
     positions = state["positions"]
     if static.mrope_section is not None:
         positions = positions.expand(3, -1, -1)  # as the rotary module does: [3, B, S]
-    inv_freq = state["inv_freq"]  # in fp32 (_rotary_forward)
+    inv_freq = state["inv_freq"]  # the rotary's buffer, as it is (_rotary_forward)
     options = dict(norm_rounding=static.norm_rounding,
                    norm_weight_offset=static.norm_weight_offset,
                    rotary_dim=2 * inv_freq.shape[0],
@@ -667,20 +661,14 @@ def _prologue(self, static: _Static, state: dict, query, key, value, cache):
     if layer is not None:
         if not layer.is_initialized:
             layer.lazy_initialization(key, value)
-        # StaticLayer.update's bookkeeping: rows at a running device-side offset, advanced
-        # only once the op has accepted the call.
-        seq_len = key.shape[2]
-        _check_room(layer, seq_len)
-        if seq_len == 1 and not torch.compiler.is_compiling():
-            # An eager decode step's one row is the running offset itself, read by the op
-            # before the add_ below in stream order: two launches fewer a layer (arange, add).
-            # Compiled, Inductor folds both into the layer's bookkeeping kernel anyway.
-            rows = layer.cumulative_length.view(1)
-        else:
-            rows = torch.arange(seq_len, device=key.device) + layer.cumulative_length
+        # StaticLayer.update's bookkeeping (rows at the running length, the length advanced,
+        # an overflow refused) is the op's own with append=True: one launch a layer, where
+        # the stock update takes an index_copy_ a cache and the length's kernels
+        # (docs/design.md, "Appending at a running length").
+        _check_room(layer, key.shape[2])
         q_rot, k_rot = _op(self, static, query, key, value, positions, layer.keys,
-                           layer.values, rows, inv_freq, options)
-        layer.cumulative_length.add_(seq_len)
+                           layer.values, layer.cumulative_length, inv_freq, options,
+                           append=True)
         return q_rot, k_rot, layer.keys, layer.values
 
     # No cache of the op's layout: one-row stand-in caches whose row every token skips (-1).
@@ -695,23 +683,26 @@ def _prologue(self, static: _Static, state: dict, query, key, value, cache):
 
 
 def _op(self, static: _Static, query, key, value, positions, key_cache, value_cache, rows,
-        inv_freq, options: dict):
+        inv_freq, options: dict, append: bool = False):
     """The op on a layer's tensors (outputs given in ``options``): ``(q_rot, k_rot)``. Eager:
     the public function (its checks, or the native fast path of a known signature). Under
     torch.compile the registered op itself, whose fake runs the same checks at trace time: the
     public function's checks, traced, would be guards of the compiled step, evaluated before
     every call, CUDA-graph replays included (docs/design.md, "Compile route"). A call the
-    checks refuse is then a compile error, not a stock forward."""
+    checks refuse is then a compile error, not a stock forward. ``append``: ``rows`` is the
+    cache's running length, which the op advances."""
     q_weight, k_weight = _local(self.q_norm.weight), _local(self.k_norm.weight)
-    if not torch.compiler.is_compiling() or options["rotary_dim"] != static.rotary_dim or \
+    direct = static.op_options_append if append else static.op_options
+    if not torch.compiler.is_compiling() or not direct or \
+            options["rotary_dim"] != static.rotary_dim or \
             options["cos_sin_scale"] != static.cos_sin_scale:
         return fused_rope_with_qk_norm_and_kv_cache_update(
             query, key, value, positions, key_cache, value_cache, rows, q_weight, k_weight,
-            inv_freq, static.eps, **options)[:2]
+            inv_freq, static.eps, append=append, **options)[:2]
     q_out, k_out = options["query_out"], options["key_out"]
-    qknorm_rope(query, key, value, positions, key_cache, value_cache, rows, q_weight, k_weight,
-                inv_freq, None, None, None, None, None, q_out, k_out, static.eps,
-                static.op_options)
+    (qknorm_rope_append if append else qknorm_rope)(
+        query, key, value, positions, key_cache, value_cache, rows, q_weight, k_weight,
+        inv_freq, None, None, None, None, None, q_out, k_out, static.eps, direct)
     return q_out, k_out
 
 
@@ -722,20 +713,14 @@ _PLAIN_STATIC_LAYER = frozenset({StaticLayer})
 
 
 def _check_room(layer: StaticLayer, seq_len: int) -> None:
-    """Refuse to write past a StaticCache's ``max_cache_len``, which the op would skip silently
-    (rows outside the cache are its padding marker): the stock ``index_copy_`` raises there (an
-    IndexError on CPU, a device-side assert on a GPU), so this does the same. A prompt longer
-    than the cache is known on the host; the running offset lives on the device, so that check
-    is an asynchronous device assert (no host sync on the decode path)."""
+    """Refuse a prompt longer than a StaticCache's ``max_cache_len`` (known on the host) with
+    the stock ``index_copy_``'s IndexError. Rows past the running length, which lives on the
+    device, are the op's device assert (append=True): the stock one raises there too (an
+    IndexError on CPU, a device-side assert on a GPU)."""
     room = layer.keys.shape[2]  # max_cache_len, read from the guarded tensor: no guard of its own
     if seq_len > room:
         raise IndexError(f"qkrope: {seq_len} new tokens do not fit a StaticCache of "
                          f"max_cache_len={room}; make the cache larger")
-    # (The message leaves seq_len out: under torch.compile formatting it would pin a symbolic
-    # prefill length, a recompile per length.)
-    torch._assert_async(layer.cumulative_length <= room - seq_len,
-                        f"qkrope: StaticCache overflow: writing rows past max_cache_len={room}; "
-                        f"make the cache larger")
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:

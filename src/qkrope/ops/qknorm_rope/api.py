@@ -25,8 +25,8 @@ from .checks import (
     check_out, check_paged, check_scales, dtype_name, head_count, refuse_autograd, scalar_on,
     tensor_arg,
 )
-from .launcher import COS_SIN_LAUNCHER, LAUNCHER, launch_cos_sin
-from .registration import options_key, qknorm_rope
+from .launcher import APPEND_LAUNCHER, COS_SIN_LAUNCHER, LAUNCHER, launch_cos_sin
+from .registration import options_key, qknorm_rope, qknorm_rope_append
 from .validation import check_rows, check_scale, validated_rows, validated_scale
 
 __all__ = ["fused_rope_with_qk_norm_and_kv_cache_update", "fused_qk_norm_rope_paged",
@@ -63,6 +63,7 @@ def fused_rope_with_qk_norm_and_kv_cache_update(
     q_scale: float | torch.Tensor | None = None,
     k_scale_cache: torch.Tensor | None = None,
     v_scale_cache: torch.Tensor | None = None,
+    append: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-head RMSNorm on Q and K, RoPE on both, and the K/V cache write, in one launch.
 
@@ -80,9 +81,12 @@ def fused_rope_with_qk_norm_and_kv_cache_update(
             batch element). Rows outside ``[0, L)`` are skipped: -1 is the usual padding marker.
             If two tokens name the same row, each element of that row ends up holding the value
             of one of them, unspecified which (tokens may mix within the row, as with
-            ``index_copy_`` on CUDA); every other row is untouched.
+            ``index_copy_`` on CUDA); every other row is untouched. With ``append=True``: the
+            cache's running length n instead, one int64 ([] or [1], e.g. HF's
+            ``StaticLayer.cumulative_length``), which the call advances.
         q_norm_weight, k_norm_weight: [D], dtype of ``query``.
-        inv_freq: [rotary_dim/2] float32 rotary inverse frequencies.
+        inv_freq: [rotary_dim/2] rotary inverse frequencies, float32, bf16 or fp16 (read as
+            float32, as HF's rotary embeddings read a buffer that model.to(bf16) cast).
         rms_norm_eps: RMSNorm epsilon (Python float).
         inplace: True (default) writes the S rows into ``key_cache``/``value_cache`` and returns
             those same tensors: one launch, no cache copy. False leaves them untouched and returns
@@ -131,25 +135,34 @@ def fused_rope_with_qk_norm_and_kv_cache_update(
             ``int8_per_token_head``) takes Q = 127, rounds half away from zero and gives a row
             holding a NaN the scale NaN (it reads back as NaN). Skipped rows keep their data
             and scale.
+        append: True: ``cache_position`` is the running length n; the S tokens go to rows
+            n .. n + S - 1 and the call leaves n + S in ``cache_position`` (after every read
+            of n, in the same launch: HF StaticLayer.update's bookkeeping, without its
+            kernels). A call where n < 0 or n + S > L is a device-side assert on a GPU (the
+            CUDA context ends, as HF's ``index_copy_`` there), an ``IndexError`` in Triton's
+            interpreter; the cache then holds partial rows. Needs ``inplace=True``.
 
     Returns:
         ``(query_rotated, key_rotated, key_cache_out, value_cache_out)``.
     """
     opts = _fast_key("bhsd", rotary_style, rotary_dim, norm_weight_offset, norm_rounding,
-                     cos_sin_scale, mrope_section, mrope_interleaved, query)
+                     cos_sin_scale, mrope_section, mrope_interleaved, query, append)
     if inplace and not validate and not torch.compiler.is_compiling() and _plain(opts) and (
             scales := _NO_SCALES if k_scale is None and v_scale is None and q_scale is None
             else _fast_scales((k_scale, v_scale, q_scale), query)) is not None:
-        out = LAUNCHER.fast_call(opts, (query, key, value, position_ids, key_cache, value_cache,
-                                        cache_position, q_norm_weight, k_norm_weight, inv_freq,
-                                        *scales, k_scale_cache, v_scale_cache),
-                                 (query_out, key_out), (rms_norm_eps,))
+        out = (APPEND_LAUNCHER if append else LAUNCHER).fast_call(
+            opts, (query, key, value, position_ids, key_cache, value_cache, cache_position,
+                   q_norm_weight, k_norm_weight, inv_freq, *scales, k_scale_cache,
+                   v_scale_cache), (query_out, key_out), (rms_norm_eps,))
         if out is not None:
             return (*out, key_cache, value_cache)
     checked = check_bhsd(query, key, value, position_ids, key_cache, value_cache,
                          cache_position, q_norm_weight, k_norm_weight, inv_freq, rms_norm_eps,
                          Options(*opts))
     if not inplace:
+        if checked.append:  # the copies' rows would land at the caller's running length
+            raise ValueError("inplace=False copies the caches but not cache_position, which "
+                             "append=True advances: pass inplace=True")
         for name, scale_cache in (("k_scale_cache", k_scale_cache),
                                   ("v_scale_cache", v_scale_cache)):
             if scale_cache is not None:  # the copies' scales would land in the caller's
@@ -230,7 +243,7 @@ def fused_qk_norm_rope_paged(
         ``(query_rotated [T, Hq, D], key_rotated [T, Hkv, D])``; the caches are written in place.
     """
     opts = _fast_key(cache_layout, rotary_style, rotary_dim, norm_weight_offset, norm_rounding,
-                     cos_sin_scale, mrope_section, mrope_interleaved, query)
+                     cos_sin_scale, mrope_section, mrope_interleaved, query, False)
     if not validate and not torch.compiler.is_compiling() and cache_layout in _PAGED and \
             _plain(opts) and (
             scales := _NO_SCALES if k_scale is None and v_scale is None and q_scale is None
@@ -264,18 +277,20 @@ def _checked_call(checked: Options, tensors: tuple, scales: tuple, scale_caches:
     scales, (k_cache_scales, v_cache_scales) = check_scales(
         query, key, key_cache, value_cache, query_out, key_out, scales, scale_caches)
     if validate:
-        rows, scales = _validate(tensors[6], rows_bound, rows_name, scales)
+        rows, scales = _validate(tensors[6], rows_bound, rows_name, scales,
+                                 query.shape[-2] if checked.append else None)
         tensors = (*tensors[:6], rows, *tensors[7:])
     refuse_autograd(checked.layout, (*tensors, query_out, key_out),
                     **dict(zip(_SCALE_NAMES, scales)), k_scale_cache=k_cache_scales,
                     v_scale_cache=v_cache_scales)
-    qknorm_rope(*tensors, *scales, k_cache_scales, v_cache_scales, query_out, key_out,
-                float(rms_norm_eps), options_key(checked))
+    (qknorm_rope_append if checked.append else qknorm_rope)(
+        *tensors, *scales, k_cache_scales, v_cache_scales, query_out, key_out,
+        float(rms_norm_eps), options_key(checked))
     return query_out, key_out
 
 
 def _fast_key(layout, rotary_style, rotary_dim, norm_weight_offset, norm_rounding,
-              cos_sin_scale, mrope_section, mrope_interleaved, query) -> tuple:
+              cos_sin_scale, mrope_section, mrope_interleaved, query, append) -> tuple:
     """The options as the fast path's key: equal to the canonical :class:`Options` the checks
     return for valid arguments (``rotary_dim`` None is head_dim), so eager calls and the
     registered op's body (which gets canonical options) share one plan per signature."""
@@ -284,7 +299,7 @@ def _fast_key(layout, rotary_style, rotary_dim, norm_weight_offset, norm_roundin
     if type(mrope_section) is list:
         mrope_section = tuple(mrope_section)
     return (layout, rotary_style, rotary_dim, norm_weight_offset, norm_rounding, cos_sin_scale,
-            mrope_section, mrope_interleaved)
+            mrope_section, mrope_interleaved, append)
 
 
 _PAGED = ("NHD", "HND")
@@ -295,9 +310,10 @@ def _plain(opts: tuple) -> bool:
     """Whether ``opts`` (:func:`_fast_key`) have the types the checks make canonical, so a plan
     found by them is the one the checks would pick: a value that only compares equal (True for
     1.0, 1 for True, numpy scalars) goes to the checks, which name its type."""
-    _, style, rotary_dim, offset, rounding, scale, section, interleaved = opts
+    _, style, rotary_dim, offset, rounding, scale, section, interleaved, append = opts
     return (type(style) is str and type(rounding) is str and type(rotary_dim) is int and
             type(offset) in _NUMBER and type(scale) in _NUMBER and type(interleaved) is bool and
+            type(append) is bool and
             (section is None or (type(section) is tuple and all(type(x) is int
                                                                 for x in section))))
 
@@ -322,15 +338,25 @@ def _fast_scales(scales, query):
 _SCALE_NAMES = ("k_scale", "v_scale", "q_scale")
 
 
-def _validate(rows: torch.Tensor, bound: int, name: str, scales: tuple) -> tuple:
+def _validate(rows: torch.Tensor, bound: int, name: str, scales: tuple,
+              appended: int | None) -> tuple:
     """``validate=True``: rows/slots inside the cache, FP8 scale values finite and > 0
     (``ValueError`` naming the argument). Returns ``(rows, scales)`` for the launch: under
-    torch.compile checked copies, so the checks run in the graph, before the kernel."""
+    torch.compile checked copies, so the checks run in the graph, before the kernel.
+    ``appended``: with ``append=True``, S: ``rows`` is the running length, which must leave
+    room for S rows; it is the tensor the launch advances, so never a copy, and under
+    torch.compile its check is the kernel's own device assert."""
     if torch.compiler.is_compiling():
-        return (validated_rows(rows, bound, name),
+        return (rows if appended is not None else validated_rows(rows, bound, name),
                 tuple(None if s is None else validated_scale(s, n)
                       for n, s in zip(_SCALE_NAMES, scales)))
-    check_rows(rows, bound, name)
+    if appended is not None:
+        n = int(rows.reshape(()))  # host sync: only on request
+        if not 0 <= n <= bound - appended:
+            raise ValueError(f"{name} (append=True, the running length) is {n}: {appended} new "
+                             f"rows do not fit the cache's {bound} rows")
+    else:
+        check_rows(rows, bound, name)
     for n, s in zip(_SCALE_NAMES, scales):
         if s is not None:
             check_scale(s, n)
@@ -447,7 +473,8 @@ def rope_cos_sin(
         position_ids: [B, S] int32/int64 positions, any strides (expanded views too). With
             ``mrope_section``: [3, B, S] streams (temporal, height, width), or [B, S] for all
             three.
-        inv_freq: [R/2] float32 inverse frequencies, on the device of ``position_ids``.
+        inv_freq: [R/2] inverse frequencies (float32, bf16 or fp16, read as float32), on the
+            device of ``position_ids``.
         dtype: of the tables: bfloat16, float16 or float32.
         cos_sin_scale: multiplies cos and sin in fp32 before their rounding (HF's
             ``attention_scaling``).

@@ -34,6 +34,9 @@ _FP8 = "float8_e4m3fn or float8_e5m2"
 #: fp8_per_token_head and int8_per_token_head.
 TOKEN_HEAD_DTYPES = (torch.float8_e4m3fn, torch.int8)
 INDEX_DTYPES = (torch.int32, torch.int64)
+#: inv_freq as a model keeps it (model.to(bf16) casts the buffer); the kernel reads it as
+#: float32, which every bf16 / fp16 value is exactly.
+INV_FREQ_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 NORM_ROUNDINGS = ("weight_fp32", "hf")
 ROTARY_STYLES = ("neox", "gptj")
 LAYOUTS = ("bhsd", "NHD", "HND")
@@ -50,6 +53,8 @@ class Options(NamedTuple):
     cos_sin_scale: float = 1.0
     mrope_section: tuple | None = None
     mrope_interleaved: bool = False
+    # bhsd only: the rows are a running length (cache_position, one int64), advanced by S
+    append: bool = False
 
 
 # --------------------------------------------------------------------------------------------
@@ -201,12 +206,23 @@ def check_options(opts: Options, D: int) -> Options:
     if not isinstance(opts.mrope_interleaved, bool):
         raise TypeError(f"mrope_interleaved must be a Python bool (True or False), got "
                         f"{opts.mrope_interleaved!r} of type {_type_name(opts.mrope_interleaved)}")
+    _append_flag(opts.append)
+    if opts.append and opts.layout != "bhsd":
+        raise ValueError("append=True is a mode of the [B, H, S, D] entry point (a running "
+                         "length per cache); paged caches take a slot per token")
     if opts.mrope_interleaved and section is None:
         raise ValueError("mrope_interleaved=True needs mrope_section (the temporal, height and "
                          "width frequency counts it interleaves); without it the op would run "
                          "plain RoPE")
     return opts._replace(rotary_dim=rot, norm_weight_offset=offset, cos_sin_scale=scale,
                          mrope_section=section)
+
+
+def _append_flag(append) -> bool:
+    if not isinstance(append, bool):
+        raise TypeError(f"append must be a Python bool (True or False), got {append!r} of "
+                        f"type {_type_name(append)}")
+    return append
 
 
 def scale_tensor(name: str, scale, users: dict, heads: int, heads_name: str):
@@ -319,7 +335,7 @@ def _check_common(query, key, value, key_cache, value_cache, q_norm_weight, k_no
         tensor_arg(name, x, query.dim(), (act,))
     tensor_arg("q_norm_weight", q_norm_weight, 1, (act,))
     tensor_arg("k_norm_weight", k_norm_weight, 1, (act,))
-    tensor_arg("inv_freq", inv_freq, 1, (torch.float32,))
+    tensor_arg("inv_freq", inv_freq, 1, INV_FREQ_DTYPES)
     eps = _real("rms_norm_eps", rms_norm_eps)
     if eps < 0:
         raise ValueError(f"rms_norm_eps must be >= 0, got {rms_norm_eps}")
@@ -388,7 +404,10 @@ def check_bhsd(query, key, value, position_ids, key_cache, value_cache, cache_po
     tensor_arg("query", query, 4, ACTIVATION_DTYPES)
     tensor_arg("key_cache", key_cache, 4, _cache_dtypes(query.dtype))
     tensor_arg("value_cache", value_cache, 4, _cache_dtypes(query.dtype))
-    tensor_arg("cache_position", cache_position, 1, INDEX_DTYPES)
+    if _append_flag(opts.append):
+        tensor_arg("cache_position", cache_position, (0, 1), (torch.int64,))
+    else:
+        tensor_arg("cache_position", cache_position, 1, INDEX_DTYPES)
     B, Hq, S, D = query.shape
     if B > 65535:  # the batch is the launch grid's z dimension
         raise ValueError(f"query batch must be <= 65535, got {B}; split the batch or use "
@@ -405,7 +424,14 @@ def check_bhsd(query, key, value, position_ids, key_cache, value_cache, cache_po
     _shape("key_cache", key_cache, (B, Hkv, L, D), "[B, Hkv, L, D] matching key's B, Hkv, D")
     _shape("value_cache", value_cache, tuple(key_cache.shape), "the shape of key_cache")
     _positions("position_ids", position_ids, (B, S), opts, "[{0}, {1}] or [1, {1}] ([B, S])")
-    _shape("cache_position", cache_position, (S,), "[S]")
+    if opts.append:
+        if cache_position.numel() != 1:
+            raise ValueError(f"cache_position must be one element with append=True (the cache's "
+                             f"running length, [] or [1]), got shape {list(cache_position.shape)}")
+        if S > L:
+            raise ValueError(f"append=True: S={S} new rows do not fit key_cache's L={L} rows")
+    else:
+        _shape("cache_position", cache_position, (S,), "[S]")
     return opts
 
 
@@ -446,7 +472,7 @@ TABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 def check_cos_sin(position_ids, inv_freq, dtype, opts: Options) -> Options:
     """The rotary table's arguments (``api.rope_cos_sin``); ``opts`` carries its
     ``cos_sin_scale`` and mRoPE options. Returns them canonical."""
-    tensor_arg("inv_freq", inv_freq, 1, (torch.float32,))
+    tensor_arg("inv_freq", inv_freq, 1, INV_FREQ_DTYPES)
     half = inv_freq.shape[0]
     if half < 1:
         raise ValueError("inv_freq must hold at least one frequency, got shape [0]")
@@ -514,15 +540,16 @@ def refuse_autograd(layout: str, tensors: tuple, **others) -> None:
 
 
 def check_overlap(layout: str, tensors: tuple, k_scale, v_scale, q_scale=None,
-                  k_scale_cache=None, v_scale_cache=None) -> None:
+                  k_scale_cache=None, v_scale_cache=None, append: bool = False) -> None:
     """Outputs and caches share memory with no other argument, nor with themselves
     (``ValueError`` naming both; docs/design.md, "Overlap rule"); ``tensors``: the twelve of
-    :data:`_NAMES` in the kernel's order. ``query_out`` may be ``query`` itself (and
-    ``key_out`` ``key``). Runs on every checked launch, also inside a compiled graph (memory
-    is known only when the call runs)."""
+    :data:`_NAMES` in the kernel's order; with ``append`` the running length is written too.
+    ``query_out`` may be ``query`` itself (and ``key_out`` ``key``). Runs on every checked
+    launch, also inside a compiled graph (memory is known only when the call runs)."""
     names = _NAMES["bhsd" if layout == "bhsd" else "paged"]
     by_name = dict(zip(names, tensors))
-    written = ("query_out", "key_out", "key_cache", "value_cache")
+    written = ("query_out", "key_out", "key_cache", "value_cache", *(
+        ("cache_position",) if append else ()))
     check_disjoint({**{n: by_name[n] for n in written},
                     **{n: t for n, t in (("k_scale_cache", k_scale_cache),
                                          ("v_scale_cache", v_scale_cache)) if t is not None}},

@@ -21,6 +21,8 @@ Features are constexprs, compiled away when off:
   ``K_SCALED``/``V_SCALED`` (FP8 caches) and ``QO_SCALED``/``KO_SCALED`` (FP8 query/key
   outputs) store ``saturate(x / scale)`` of the rotated rows; ``K_DYN``/``V_DYN`` quantise each
   written cache row with its own scale and store that scale too (vLLM's per-token-head).
+- ``APPEND`` takes the cache rows from a running length that the launch advances (HF's
+  StaticLayer: one launch instead of its bookkeeping kernels).
 
 Interpreter (``TRITON_INTERPRET=1``) rules followed here: loads are upcast to fp32 at once and
 all arithmetic is fp32; every store is masked; libdevice is only reached behind the
@@ -127,6 +129,7 @@ def _angles(pos_ptr, pos_off, t_mask, freq, inv_freq_ptr, stride_inv_freq, strid
             WIDE: tl.constexpr):
     """fp32 angles ``float32(position) * inv_freq[freq]`` -> [BLOCK_T, N] for tokens at
     position offsets ``pos_off`` [BLOCK_T] and frequency indices ``freq`` [N]."""
+    # (bf16 / fp16 inv_freq: exact in fp32, as the model's own .float())
     inv = tl.load(inv_freq_ptr + _index(freq, WIDE) * stride_inv_freq).to(tl.float32)
     if MROPE == 0:
         pos = tl.load(pos_ptr + pos_off, mask=t_mask, other=0)
@@ -408,13 +411,16 @@ def qknorm_rope_kernel(
     K_SCALED: tl.constexpr, V_SCALED: tl.constexpr, QO_SCALED: tl.constexpr,
     KO_SCALED: tl.constexpr, K_DYN: tl.constexpr, V_DYN: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_T: tl.constexpr,
-    INTERPRETER: tl.constexpr, SAT_CVT: tl.constexpr, WIDE: tl.constexpr,
+    APPEND: tl.constexpr, INTERPRETER: tl.constexpr, SAT_CVT: tl.constexpr,
+    WIDE: tl.constexpr,
 ):
     """Grid: (cdiv(T, BLOCK_T), cdiv(Hq, BLOCK_HQ) + cdiv(Hkv, BLOCK_HKV), B).
 
     Token t of batch element b goes to cache row ``slot[t]`` of that element's cache; rows
     outside ``[0, rows_per_batch)`` (e.g. -1 padding) are skipped, checked *before* the batch's
-    base is added, so row -1 of batch b never lands in batch b - 1.
+    base is added, so row -1 of batch b never lands in batch b - 1. ``APPEND``: ``slot`` is
+    one int64, the cache's running length n; token t goes to row n + t, and the launch leaves
+    n + T there (docs/design.md, "Appending at a running length").
 
     Aliasing contract: every element a program stores was loaded by that same program first,
     so ``q_out`` may be ``q`` itself (and ``k_out`` ``k``); nothing else may overlap.
@@ -463,9 +469,27 @@ def qknorm_rope_kernel(
         d_full = _index(tl.arange(0, D), WIDE)[None, None, :]
         v = tl.load(v_ptr + b * stride_v_b + hk_i * stride_v_h + t3 * stride_v_t
                     + d_full * stride_v_d, mask=k_mask, other=0.0)
-        # In the index tensor's own type: the range check must see the row before any
-        # narrowing to the offset width (an int64 row of 2**32 + 5 is not row 5).
-        row = tl.load(slot_ptr + t_i * stride_slot, mask=t_mask, other=-1)
+        if APPEND:
+            # One atomic per K/V program takes the running length n (low 32 bits) and a ticket
+            # (high bits); the program holding the last ticket runs after every other one took
+            # n, so it alone stores n + T, clearing the tickets. Any other value on entry (a
+            # negative n, stale tickets, rows past the cache) fails the assert: a device-side
+            # assert, as the stock StaticLayer's index_copy_ raises there.
+            taken = tl.atomic_add(slot_ptr, 1 << 32, sem="relaxed")
+            n = taken & 0xFFFFFFFF
+            ticket = taken >> 32
+            n_kv = (tl.num_programs(0).to(tl.int64) * (tl.num_programs(1) - n_q_blocks)
+                    * tl.num_programs(2))
+            tl.device_assert((ticket >= 0) & (ticket < n_kv) & (n + T <= rows_per_batch),
+                             "qkrope: cache_position (append=True, the cache's running length) "
+                             "+ S passes the cache's rows: the cache is full")
+            if ticket == n_kv - 1:
+                tl.store(slot_ptr, n + T)
+            row = tl.where(t_mask, n + t, -1)
+        else:
+            # In the index tensor's own type: the range check must see the row before any
+            # narrowing to the offset width (an int64 row of 2**32 + 5 is not row 5).
+            row = tl.load(slot_ptr + t_i * stride_slot, mask=t_mask, other=-1)
         ko_sc = _static_scale(k_scale_ptr, hk, Hkv, stride_k_scale, KO_SCALED, WIDE)
         kc_sc = _static_scale(k_scale_ptr, hk, Hkv, stride_k_scale, K_SCALED, WIDE)
         vc_sc = _static_scale(v_scale_ptr, hk, Hkv, stride_v_scale, V_SCALED, WIDE)

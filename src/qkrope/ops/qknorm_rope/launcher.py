@@ -16,7 +16,8 @@ from .._overlap import extent
 from .checks import Options
 from .kernel import qknorm_rope_kernel, rope_cos_sin_kernel
 
-__all__ = ["TileConfig", "PER_CALL", "pick_config", "launch", "LAUNCHER", "wide_offsets",
+__all__ = ["TileConfig", "PER_CALL", "pick_config", "launch", "LAUNCHER", "APPEND_LAUNCHER",
+           "wide_offsets",
            "saturating_fp8_cvt", "COS_SIN_LAUNCHER", "launch_cos_sin"]
 
 #: The kernel parameters that change from call to call, in the order the fast path passes them
@@ -24,11 +25,16 @@ __all__ = ["TileConfig", "PER_CALL", "pick_config", "launch", "LAUNCHER", "wide_
 PER_CALL = ("q_ptr", "k_ptr", "v_ptr", "pos_ptr", "k_cache_ptr", "v_cache_ptr", "slot_ptr",
             "q_w_ptr", "k_w_ptr", "inv_freq_ptr", "k_scale_ptr", "v_scale_ptr", "q_scale_ptr",
             "k_scale_cache_ptr", "v_scale_cache_ptr", "q_out_ptr", "k_out_ptr", "eps")
-LAUNCHER = KernelLauncher(qknorm_rope_kernel, PER_CALL,
-                          written=("k_cache_ptr", "v_cache_ptr", "k_scale_cache_ptr",
-                                   "v_scale_cache_ptr", "q_out_ptr", "k_out_ptr"),
-                          in_place=(("q_out_ptr", "q_ptr"), ("k_out_ptr", "k_ptr")),
-                          outputs=(("q_out_ptr", "q_ptr"), ("k_out_ptr", "k_ptr")))
+_WRITTEN = ("k_cache_ptr", "v_cache_ptr", "k_scale_cache_ptr", "v_scale_cache_ptr",
+            "q_out_ptr", "k_out_ptr")
+_IN_PLACE = (("q_out_ptr", "q_ptr"), ("k_out_ptr", "k_ptr"))
+LAUNCHER = KernelLauncher(qknorm_rope_kernel, PER_CALL, written=_WRITTEN, in_place=_IN_PLACE,
+                          outputs=_IN_PLACE)
+#: The same kernel for ``append=True`` calls, which also write their running length (the
+#: ``slot_ptr`` tensor): its plans, overlap rule and version bumps say so, and it serves the op
+#: whose schema declares that write (``qkrope::qknorm_rope_append``).
+APPEND_LAUNCHER = KernelLauncher(qknorm_rope_kernel, PER_CALL, written=(*_WRITTEN, "slot_ptr"),
+                                 in_place=_IN_PLACE, outputs=_IN_PLACE)
 #: The rotary table's kernel: its per-call parameters are its four tensors (the caller
 #: allocates the tables, whose shape is no input's).
 COS_SIN_LAUNCHER = KernelLauncher(rope_cos_sin_kernel,
@@ -168,7 +174,8 @@ def launch(query, key, value, positions, key_cache, value_cache, slots, q_norm_w
         v_scale_cache_ptr=unused if v_scale_cache is None else v_scale_cache,
         **_scale_cache_strides("ksc", opts.layout, k_scale_cache),
         **_scale_cache_strides("vsc", opts.layout, v_scale_cache),
-        eps=float(rms_norm_eps), Hq=Hq, Hkv=Hkv, stride_slot=slots.stride(0),
+        eps=float(rms_norm_eps), Hq=Hq, Hkv=Hkv,
+        stride_slot=0 if opts.append else slots.stride(0),
         stride_q_w=q_norm_weight.stride(0), stride_k_w=k_norm_weight.stride(0),
         stride_inv_freq=inv_freq.stride(0),
         # A per-tensor scale is read by every head through a zero stride.
@@ -188,15 +195,32 @@ def launch(query, key, value, positions, key_cache, value_cache, slots, q_norm_w
         QO_SCALED=qo_scaled, KO_SCALED=key_out.dtype != query.dtype,
         K_DYN=k_dyn, V_DYN=v_scale_cache is not None,
         BLOCK_HQ=cfg.block_hq, BLOCK_HKV=cfg.block_hkv, BLOCK_T=cfg.block_t,
-        INTERPRETER=interpreting(),
+        APPEND=opts.append, INTERPRETER=interpreting(),
         SAT_CVT=saturating_fp8_cvt(query.device),
         WIDE=wide_offsets(query, key, value, positions, key_cache, value_cache, slots,
                           q_norm_weight, k_norm_weight, inv_freq, k_scale, v_scale, q_scale,
                           k_scale_cache, v_scale_cache, query_out, key_out),
         # The rounding points forbid contracting a product and a sum into one FMA.
         enable_fp_fusion=False, num_warps=cfg.num_warps)
+    if opts.append:
+        if interpreting():
+            _interpreter_append_check(slots, T, args["rows_per_batch"])
+        else:
+            # The running length's device assert: Triton compiles device_assert only in debug
+            # mode, whose other effect, integer-overflow asserts, stays off (masked lanes may
+            # wrap their int32 offsets: module docstring of kernel.py).
+            meta.update(debug=True, sanitize_overflow=False)
     compiled = LAUNCHER.launch(grid, args, meta, query.device)
     return compiled, grid, args, meta
+
+
+def _interpreter_append_check(length: torch.Tensor, T: int, rows: int) -> None:
+    """The kernel's device assert on the running length, which Triton's interpreter skips: on
+    the host (the interpreter's tensors are on the CPU: no sync)."""
+    n = int(length.reshape(()))
+    if not 0 <= n <= rows - T:
+        raise IndexError(f"qkrope: cache_position (append=True, the cache's running length) is "
+                         f"{n}: {T} new rows do not fit a cache of {rows} rows")
 
 
 def saturating_fp8_cvt(device: torch.device) -> bool:

@@ -191,7 +191,7 @@ def qknorm_rope_cache_ref(
     norm_rounding: str = "weight_fp32", cos_sin_scale: float = 1.0, mrope_section=None,
     mrope_interleaved: bool = False, k_scale=None, v_scale=None, q_scale=None,
     k_scale_cache=None, v_scale_cache=None, query_out=None, key_out=None,
-    inplace: bool = False, skip_out_of_range: bool = True,
+    inplace: bool = False, skip_out_of_range: bool = True, append: bool = False,
 ):
     """Oracle of :func:`qkrope.fused_rope_with_qk_norm_and_kv_cache_update` (same arguments).
 
@@ -200,10 +200,18 @@ def qknorm_rope_cache_ref(
     [0, L) are skipped). ``query_out``/``key_out``: written and returned, quantised with
     ``q_scale``/``k_scale`` when FP8 (R4). ``skip_out_of_range=False`` writes every row with one
     ``index_copy_`` (no host sync, ``torch.compile`` friendly; every row must then be valid).
+    ``append``: cache_position is the running length n (one element): rows n .. n + S - 1,
+    ``IndexError`` where they leave the cache, and with ``inplace`` n advanced by S.
 
     Returns ``(query_rotated, key_rotated, key_cache_out, value_cache_out)``.
     """
     B, _, S, _ = query.shape
+    length = None
+    if append:
+        length, n = cache_position, int(cache_position.reshape(()))
+        if not 0 <= n <= key_cache.shape[2] - S:
+            raise IndexError(f"running length {n}: {S} rows do not fit {key_cache.shape[2]}")
+        cache_position = torch.arange(n, n + S, device=key_cache.device)
     positions = position_ids.expand(*position_ids.shape[:-2], B, S)
     q_rot, k_rot = _norm_rope(query, key, positions, q_norm_weight, k_norm_weight, inv_freq,
                               rms_norm_eps, 1, rotary_style, rotary_dim, norm_weight_offset,
@@ -226,6 +234,8 @@ def qknorm_rope_cache_ref(
         if cache.dtype in _FP8_MAX:  # index_copy_ has no float8 kernels: copy the bytes
             cache, new = cache.view(torch.uint8), new.view(torch.uint8)
         cache.index_copy_(2, rows, new)
+    if length is not None and inplace:
+        length.add_(S)
     return _into(q_rot, query_out, q_scale), _into(k_rot, key_out, k_scale), key_cache, value_cache
 
 

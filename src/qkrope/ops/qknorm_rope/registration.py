@@ -23,9 +23,9 @@ from .checks import (
     Options, check_bhsd, check_options, check_out, check_overlap, check_paged, check_scales,
     refuse_autograd,
 )
-from .launcher import LAUNCHER, launch
+from .launcher import APPEND_LAUNCHER, LAUNCHER, launch
 
-__all__ = ["qknorm_rope", "options_key", "op_options"]
+__all__ = ["qknorm_rope", "qknorm_rope_append", "options_key", "op_options"]
 
 
 def _qknorm_rope(
@@ -57,12 +57,43 @@ def _qknorm_rope(
     wrong shape is refused, never launched out of bounds."""
     _run((query, key, value, positions, key_cache, value_cache, slots, q_norm_weight,
           k_norm_weight, inv_freq, k_scale, v_scale, q_scale, k_scale_cache, v_scale_cache),
-         query_out, key_out, rms_norm_eps, options, checked=False)
+         query_out, key_out, rms_norm_eps, options, checked=False, append=False)
+
+
+def _qknorm_rope_append(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    positions: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slots: torch.Tensor,
+    q_norm_weight: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    inv_freq: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    q_scale: torch.Tensor | None,
+    k_scale_cache: torch.Tensor | None,
+    v_scale_cache: torch.Tensor | None,
+    query_out: torch.Tensor,
+    key_out: torch.Tensor,
+    rms_norm_eps: float,
+    options: str,
+) -> None:
+    """:func:`_qknorm_rope` for ``append=True`` options, whose kernel also advances ``slots``
+    (the cache's running length): a schema of its own declares that write, so torch.compile
+    orders the length's readers around it (on :func:`_qknorm_rope`'s, ``slots`` would be a
+    written input for every call, and a CUDA-graph tree skips graphs that write a non-static
+    input, e.g. a serving engine's slot mapping)."""
+    _run((query, key, value, positions, key_cache, value_cache, slots, q_norm_weight,
+          k_norm_weight, inv_freq, k_scale, v_scale, q_scale, k_scale_cache, v_scale_cache),
+         query_out, key_out, rms_norm_eps, options, checked=False, append=True)
 
 
 def _checked_by_caller(*args) -> None:
     """The op's body for the public functions' eager calls, whose arguments they checked."""
-    _run(args[:15], *args[15:], checked=True)
+    _run(args[:15], *args[15:], checked=True, append=None)
 
 
 #: What the checks of a direct call judge (types, shapes, strides, dtypes, devices, autograd,
@@ -73,9 +104,14 @@ _CHECKED: dict = {}
 
 
 def _run(inputs: tuple, query_out, key_out, rms_norm_eps: float, options: str,
-         checked: bool) -> None:
+         checked: bool, append: bool | None) -> None:
+    """``append``: whether the op called is the one for ``append=True`` options (None: the
+    public functions' own eager call, whose options say it)."""
     opts = _options(options)
-    if LAUNCHER.fast_call(opts, inputs, (query_out, key_out), (rms_norm_eps,)) is not None:
+    if append is not None:
+        _one_kind(opts, append, options)
+    launcher = APPEND_LAUNCHER if opts.append else LAUNCHER
+    if launcher.fast_call(opts, inputs, (query_out, key_out), (rms_norm_eps,)) is not None:
         return
     k_scale, v_scale, q_scale, k_scale_cache, v_scale_cache = inputs[10:]
     if not checked:
@@ -84,7 +120,7 @@ def _run(inputs: tuple, query_out, key_out, rms_norm_eps: float, options: str,
             (type(t), t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t.is_neg())
             for t in (*inputs, query_out, key_out)))
         if key not in _CHECKED:
-            _traced_checks(*inputs, query_out, key_out, rms_norm_eps, options)
+            _traced_checks(*inputs, query_out, key_out, rms_norm_eps, options, opts.append)
             refuse_autograd(opts.layout, (*inputs[:10], query_out, key_out),
                             **dict(zip(("k_scale", "v_scale", "q_scale", "k_scale_cache",
                                         "v_scale_cache"), inputs[10:])))
@@ -93,18 +129,20 @@ def _run(inputs: tuple, query_out, key_out, rms_norm_eps: float, options: str,
             _CHECKED[key] = None
     # The fast path runs the overlap rules natively; a checked launch runs them here.
     check_overlap(opts.layout, (*inputs[:10], query_out, key_out), k_scale, v_scale, q_scale,
-                  k_scale_cache, v_scale_cache)
+                  k_scale_cache, v_scale_cache, append=opts.append)
     launched = launch(*inputs, query_out, key_out, rms_norm_eps, opts)
-    LAUNCHER.remember(opts, inputs, (query_out, key_out), launched, inputs[0].get_device(),
+    launcher.remember(opts, inputs, (query_out, key_out), launched, inputs[0].get_device(),
                       op_options=options)
     torch._C._increment_version(tuple(t for t in (inputs[4], inputs[5], k_scale_cache,
-                                                  v_scale_cache, query_out, key_out)
+                                                  v_scale_cache, query_out, key_out,
+                                                  inputs[6] if opts.append else None)
                                       if t is not None))
 
 
 def _traced_checks(query, key, value, positions, key_cache, value_cache, slots, q_norm_weight,
                    k_norm_weight, inv_freq, k_scale, v_scale, q_scale, k_scale_cache,
-                   v_scale_cache, query_out, key_out, rms_norm_eps, options) -> None:
+                   v_scale_cache, query_out, key_out, rms_norm_eps, options,
+                   append: bool = False) -> None:
     """The op's fake: the public function's checks of shapes, dtypes and devices (those of the
     entry point ``options`` names), run when torch.compile traces a call, on fake tensors. A
     call through a public function was checked already; a caller that compiles a direct call
@@ -112,6 +150,7 @@ def _traced_checks(query, key, value, positions, key_cache, value_cache, slots, 
     where the checks add no guard to the compiled code. What needs memory or values (overlap,
     rows, scale values) is judged when the call runs, as in every call."""
     opts = _options(options)
+    _one_kind(opts, append, options)
     check = check_bhsd if opts.layout == "bhsd" else check_paged
     check(query, key, value, positions, key_cache, value_cache, slots, q_norm_weight,
           k_norm_weight, inv_freq, rms_norm_eps, opts)
@@ -119,6 +158,14 @@ def _traced_checks(query, key, value, positions, key_cache, value_cache, slots, 
     check_out("key_out", key_out, key)
     check_scales(query, key, key_cache, value_cache, query_out, key_out,
                  (k_scale, v_scale, q_scale), (k_scale_cache, v_scale_cache))
+
+
+def _one_kind(opts: Options, append: bool, options: str) -> None:
+    """Each registered op takes the options of its own kind of call only: the append op's
+    schema declares the running length's write, the other's does not."""
+    if opts.append is not append:
+        raise ValueError(f"qkrope::qknorm_rope{'_append' if append else ''} takes options "
+                         f"{'with' if append else 'without'} append=True, got {options}")
 
 
 def op_options(opts: Options, head_dim: int) -> str:
@@ -139,7 +186,11 @@ def _options(key: str) -> Options:
     return Options(*ast.literal_eval(key))
 
 
-qknorm_rope = custom_op("qknorm_rope", _qknorm_rope,
-                        mutates_args=("key_cache", "value_cache", "k_scale_cache",
-                                      "v_scale_cache", "query_out", "key_out"),
-                        launcher=LAUNCHER, fake=_traced_checks, eager=_checked_by_caller)
+_MUTATED = ("key_cache", "value_cache", "k_scale_cache", "v_scale_cache", "query_out",
+            "key_out")
+qknorm_rope = custom_op("qknorm_rope", _qknorm_rope, mutates_args=_MUTATED, launcher=LAUNCHER,
+                        fake=_traced_checks, eager=_checked_by_caller)
+qknorm_rope_append = custom_op("qknorm_rope_append", _qknorm_rope_append,
+                               mutates_args=(*_MUTATED, "slots"), launcher=APPEND_LAUNCHER,
+                               fake=functools.partial(_traced_checks, append=True),
+                               eager=_checked_by_caller)
