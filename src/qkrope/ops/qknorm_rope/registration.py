@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import inspect
 
 import torch
 
@@ -60,35 +61,16 @@ def _qknorm_rope(
          query_out, key_out, rms_norm_eps, options, checked=False, append=False)
 
 
-def _qknorm_rope_append(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    positions: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slots: torch.Tensor,
-    q_norm_weight: torch.Tensor,
-    k_norm_weight: torch.Tensor,
-    inv_freq: torch.Tensor,
-    k_scale: torch.Tensor | None,
-    v_scale: torch.Tensor | None,
-    q_scale: torch.Tensor | None,
-    k_scale_cache: torch.Tensor | None,
-    v_scale_cache: torch.Tensor | None,
-    query_out: torch.Tensor,
-    key_out: torch.Tensor,
-    rms_norm_eps: float,
-    options: str,
-) -> None:
+def _qknorm_rope_append(*args) -> None:
     """:func:`_qknorm_rope` for ``append=True`` options, whose kernel also advances ``slots``
     (the cache's running length): a schema of its own declares that write, so torch.compile
     orders the length's readers around it (on :func:`_qknorm_rope`'s, ``slots`` would be a
     written input for every call, and a CUDA-graph tree skips graphs that write a non-static
     input, e.g. a serving engine's slot mapping)."""
-    _run((query, key, value, positions, key_cache, value_cache, slots, q_norm_weight,
-          k_norm_weight, inv_freq, k_scale, v_scale, q_scale, k_scale_cache, v_scale_cache),
-         query_out, key_out, rms_norm_eps, options, checked=False, append=True)
+    _run(args[:15], *args[15:], checked=False, append=True)
+
+
+_qknorm_rope_append.__signature__ = inspect.signature(_qknorm_rope)  # the same arguments
 
 
 def _checked_by_caller(*args) -> None:
