@@ -53,6 +53,14 @@ def kernel_quotient(x: np.ndarray, s: F32) -> np.ndarray:
         return np.where(np.abs(q1) > 0, q1, q0)
 
 
+def newton_reciprocal(s: np.ndarray, start: np.ndarray) -> np.ndarray:
+    """One Newton step for 1/s from ``start`` with exact FMAs, as variants.py's
+    pth_newton_reciprocal: ``r1 = fma(r0, fma(-s, r0, 1), r0)``, ``r0`` where r1 is NaN."""
+    r1 = fma32(start, fma32(-s, start, np.ones_like(s)), start)
+    with np.errstate(invalid="ignore"):
+        return np.where(r1 == r1, r1, start)
+
+
 #: FP8 dtype -> its largest finite value (the store saturates there).
 FP8 = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 

@@ -316,3 +316,36 @@ def test_a_rows_scale_quotient_is_the_ieee_quotient_for_every_amax(Q):
     assert np.array_equal(got, want)
     product = (x.astype(check.F64) * check.F64(check.F32(1.0 / Q))).astype(check.F32)
     assert not np.array_equal(product, want)
+
+
+@pytest.mark.parametrize("Q", [127.0, 448.0])
+def test_one_newton_step_gives_the_reciprocal_of_every_rows_scale(Q):
+    """benchmarks/variants.py's pth_newton_reciprocal (a candidate, docs/perf-notes.md lead
+    6 j): for every scale a row can have, s = max(amax / Q, 1e-6) with amax each bf16 and fp16
+    value >= 0 (inf and NaN apart), one FMA Newton step from any start within 8 ulp of 1/s (Triton's
+    `1 / s` is within 2) gives RN(1/s), as div_rn does; the check has teeth: for fp32 scales in
+    general the step misses (the first mantissas where it does are in the last assert)."""
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "fp8_division_check.py"
+    spec = importlib.util.spec_from_file_location("fp8_division_check", path)
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    F32, F64 = check.F32, check.F64
+    a = np.concatenate([check.every_value(torch.bfloat16),
+                        check.every_value(torch.float16)]).astype(F32)
+    s = np.unique(np.maximum((a[a >= 0].astype(F64) / Q).astype(F32), F32(1e-6)))
+    want = (1.0 / s.astype(F64)).astype(F32)
+    # An inf amax (inf scale): Triton's 1 / inf is 0, the step's NaN gives way to it; NaN stays.
+    special = check.newton_reciprocal(np.array([np.inf, np.nan], dtype=F32),
+                                      np.array([0.0, np.nan], dtype=F32))
+    assert special[0] == 0 and np.isnan(special[1])
+    for ulps in range(-8, 9):
+        start = want.copy()
+        for _ in range(abs(ulps)):
+            start = np.nextafter(start, F32(np.inf) if ulps > 0 else F32(-np.inf))
+        assert np.array_equal(check.newton_reciprocal(s, start), want), ulps
+    # Teeth: fp32 scales the step misses from a start one ulp above RN(1/s) (32 of the 2**23
+    # mantissas in [1, 2); one from a start one ulp below: 2 - 2**-23), none a row's scale.
+    s = (1 + np.array([432403, 511045, 981571, 8388607], dtype=F64) / 2**23).astype(F32)
+    want = (1.0 / s.astype(F64)).astype(F32)
+    starts = np.nextafter(want, np.where(s < 1.9, F32(np.inf), F32(-np.inf)).astype(F32))
+    assert not (check.newton_reciprocal(s, starts) == want).any()
