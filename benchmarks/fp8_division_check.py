@@ -54,8 +54,9 @@ def kernel_quotient(x: np.ndarray, s: F32) -> np.ndarray:
 
 
 def newton_reciprocal(s: np.ndarray, start: np.ndarray) -> np.ndarray:
-    """One Newton step for 1/s from ``start`` with exact FMAs, as variants.py's
-    pth_newton_reciprocal: ``r1 = fma(r0, fma(-s, r0, 1), r0)``, ``r0`` where r1 is NaN."""
+    """One Newton step for 1/s from ``start`` with exact FMAs, as the kernel makes a
+    per-token-head row's reciprocal (``quantize._token_head_scale``): ``r1 = fma(r0, fma(-s,
+    r0, 1), r0)``, ``r0`` where r1 is NaN."""
     r1 = fma32(start, fma32(-s, start, np.ones_like(s)), start)
     with np.errstate(invalid="ignore"):
         return np.where(r1 == r1, r1, start)

@@ -15,9 +15,9 @@ breaks a variant loudly instead of silently timing the production kernel
 (tests/test_variants.py). Variants that were adopted or refuted (rstd_first, two_q_heads,
 trig_first_single_row; the eviction hints of docs/design.md §Tile rule: commit bdd73a8;
 partial_rotary_freqs, fma_division, satfinite_store, fp8_stores, pth_amax_max, int8_no_clamp,
-pth_lean, pth_early, pth_lean_early, pth_fma_quotient: adopted, in git before the commit that
-adopted them; q8_store8: refuted, docs/perf-notes.md lead 6 g) are in git history. What each variant
-measured: docs/design.md and docs/perf-notes.md.
+pth_lean, pth_early, pth_lean_early, pth_fma_quotient, pth_newton_reciprocal: adopted, in git
+before the commit that adopted them; q8_store8: refuted, docs/perf-notes.md lead 6 g) are in git
+history. What each variant measured: docs/design.md and docs/perf-notes.md.
 
     python benchmarks/variants.py /tmp/v [NAME ...]     # writes /tmp/v/<name>/src, prints it
 """
@@ -61,20 +61,6 @@ _NO_TRIG = [Edit(KERNEL, "cos = libdevice.cos(angle)", "cos = angle * 0.0 + 1.0"
 _TRIG_HW = [Edit(KERNEL, "cos = libdevice.cos(angle)", "cos = libdevice.fast_cosf(angle)"),
             Edit(KERNEL, "sin = libdevice.sin(angle)", "sin = libdevice.fast_sinf(angle)")]
 
-# A per-token-head row's reciprocal RN(1/s) as Triton's `1 / s` (div.full: within 2 ulp) and one
-# Newton step with FMAs instead of div_rn: exact for every scale a row can have (s = max(amax /
-# Q, 1e-6), amax each bf16 / fp16 value >= 0; from any start within 8 ulp; checked on the CPU:
-# fp8_division_check.newton_reciprocal, tests/test_per_token_head.py), though not for every
-# fp32 s (docs/perf-notes.md lead 6 j).
-_PTH_NEWTON_RECIPROCAL = [
-    Edit(QUANTIZE, "    return stored, tl.math.div_rn(1.0, stored)\n", """    if INTERPRETER:
-        return stored, tl.math.div_rn(1.0, stored)
-    r0 = 1.0 / stored
-    r1 = tl.fma(r0, tl.fma(-stored, r0, 1.0), r0)
-    return stored, tl.where(r1 == r1, r1, r0)  # (inf: r0 = 0, r1 NaN; NaN stays NaN)
-"""),
-]
-
 #: name -> (what it probes, edits).
 VARIANTS: dict[str, tuple[str, list[Edit]]] = {
     "skeleton": ("loads and stores only, no norm, rotation or trig: a lower bound for this "
@@ -83,10 +69,6 @@ VARIANTS: dict[str, tuple[str, list[Edit]]] = {
                 "costs (wrong results by design)", _NO_TRIG),
     "trig_hw": ("libdevice's fast_cosf/fast_sinf (MUFU approximations) instead of the accurate "
                 "cos/sin: cost probe, wrong at large angles", _TRIG_HW),
-    "pth_newton_reciprocal": ("a per-token-head row's reciprocal 1/s from Triton's `/` and "
-                              "one FMA Newton step, not div_rn (exact for every scale a "
-                              "bf16/fp16 row can have; docs/perf-notes.md lead 6 j)",
-                              _PTH_NEWTON_RECIPROCAL),
     "int32_addressing": ("every int64 conversion made int32: what int64 offsets cost (wrong "
                          "past 2**31 elements by design)",
                          [Edit(KERNEL, ".to(tl.int64)", ".to(tl.int32)", every=True)]),

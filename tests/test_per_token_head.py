@@ -320,8 +320,9 @@ def test_a_rows_scale_quotient_is_the_ieee_quotient_for_every_amax(Q):
 
 @pytest.mark.parametrize("Q", [127.0, 448.0])
 def test_one_newton_step_gives_the_reciprocal_of_every_rows_scale(Q):
-    """benchmarks/variants.py's pth_newton_reciprocal (a candidate, docs/perf-notes.md lead
-    6 j): for every scale a row can have, s = max(amax / Q, 1e-6) with amax each bf16 and fp16
+    """On a GPU the kernel makes a row's codes with ``RN(1/s)`` from Triton's ``1 / s`` and one
+    FMA Newton step (``quantize._token_head_scale``; docs/design.md, "Per-token-head
+    scales"): for every scale a row can have, s = max(amax / Q, 1e-6) with amax each bf16 and fp16
     value >= 0 (inf and NaN apart), one FMA Newton step from any start within 8 ulp of 1/s (Triton's
     `1 / s` is within 2) gives RN(1/s), as div_rn does; the check has teeth: for fp32 scales in
     general the step misses (the first mantissas where it does are in the last assert)."""

@@ -1,7 +1,8 @@
 """Triton helpers of the kernel's quantised stores: FP8 (e4m3, e5m2) and INT8 codes, and the
 per-token-head scale of a written row (docs/design.md, "FP8 stores", "Per-token-head
-scales"). Every quotient is the IEEE one (``div_rn``, or its code from a reciprocal and an FMA
-correction: ``kernel._store_scaled``) and fp fusion is off at launch, so each value is the one
+scales"). Every quotient is the IEEE one (``div_rn``, its code from a reciprocal and an FMA
+correction: ``kernel._store_scaled``, or FMA corrections exact for every value a row can have:
+``_quotient``, ``_token_head_scale``) and fp fusion is off at launch, so each value is the one
 the oracle (``reference.quantize``, ``reference.quantize_token_head``) computes.
 """
 
@@ -132,4 +133,11 @@ def _token_head_scale(amax, out_ptr, INTERPRETER: tl.constexpr):
         stored = tl.where(amax != amax, float("nan"), s)
     else:
         stored = tl.maximum(_quotient(amax, 448.0, INTERPRETER), 1e-6)
-    return stored, tl.math.div_rn(1.0, stored)
+    if INTERPRETER:
+        return stored, tl.math.div_rn(1.0, stored)
+    # RN(1 / s) from Triton's `/` (div.full, within 2 ulp) and one Newton step: exact for every
+    # scale a row can have, though not for every fp32 s (docs/design.md, "Per-token-head
+    # scales"). An inf scale keeps r0 = 0 (r1 is NaN); NaN stays NaN.
+    r0 = 1.0 / stored
+    r1 = tl.fma(r0, tl.fma(-stored, r0, 1.0), r0)
+    return stored, tl.where(r1 == r1, r1, r0)
