@@ -139,8 +139,9 @@ def fused_rope_with_qk_norm_and_kv_cache_update(
             n .. n + S - 1 and the call leaves n + S in ``cache_position`` (after every read
             of n, in the same launch: HF StaticLayer.update's bookkeeping, without its
             kernels). A call where n < 0 or n + S > L is a device-side assert on a GPU (the
-            CUDA context ends, as HF's ``index_copy_`` there), an ``IndexError`` in Triton's
-            interpreter; the cache then holds partial rows. Needs ``inplace=True``.
+            CUDA context ends, as after HF's ``index_copy_`` there; rows may have been
+            written), an ``IndexError`` before any write in Triton's interpreter. Needs
+            ``inplace=True``.
 
     Returns:
         ``(query_rotated, key_rotated, key_cache_out, value_cache_out)``.

@@ -482,7 +482,8 @@ def qknorm_rope_kernel(
                     * tl.num_programs(2))
             tl.device_assert((ticket >= 0) & (ticket < n_kv) & (n + T <= rows_per_batch),
                              "qkrope: cache_position (append=True, the cache's running length) "
-                             "+ S passes the cache's rows: the cache is full")
+                             "is negative or leaves no room for the S new rows: the cache is "
+                             "full")
             if ticket == n_kv - 1:
                 tl.store(slot_ptr, n + T)
             row = tl.where(t_mask, n + t, -1)
