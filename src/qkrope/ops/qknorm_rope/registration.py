@@ -8,7 +8,9 @@ signature (docs/design.md, "Eager bypass"). Inside a compiled graph the
 arguments were checked when the graph was traced; there the dispatcher runs the op's C++ kernel
 once the native helpers are built (``csrc/op_route.cpp``: the same plans, no Python), which
 hands a call without a plan to this body as ``qkrope::qknorm_rope_checked`` (docs/design.md,
-"Compile route"). One direction: public function -> checks -> this op -> the launch.
+"Compile route"). One direction: public function -> checks -> this op -> the launch. Calls
+with ``append=True``, whose kernel also advances the running length it is given, take
+``torch.ops.qkrope.qknorm_rope_append``: the same body, a schema that declares that write.
 """
 
 from __future__ import annotations
@@ -158,7 +160,7 @@ def op_options(opts: Options, head_dim: int) -> str:
 
 def options_key(opts: Options) -> str:
     """Canonical options as the registered op's one ``options`` argument: every call through
-    the dispatcher boxes each argument, so the eight static options travel as one string
+    the dispatcher boxes each argument, so the nine static options travel as one string
     (docs/design.md, "Compile route")."""
     return repr(tuple(opts))
 
