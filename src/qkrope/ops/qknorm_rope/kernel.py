@@ -474,7 +474,9 @@ def qknorm_rope_kernel(
             # (high bits); the program holding the last ticket runs after every other one took
             # n, so it alone stores n + T, clearing the tickets. Any other value on entry (a
             # negative n, stale tickets, rows past the cache) fails the assert: a device-side
-            # assert, as the stock StaticLayer's index_copy_ raises there.
+            # assert, as the stock StaticLayer's index_copy_ raises there. (A scalar atomic is
+            # one per program, its result broadcast to the program's threads; tests/
+            # test_append.py checks the length advances by exactly T.)
             taken = tl.atomic_add(slot_ptr, 1 << 32, sem="relaxed")
             n = taken & 0xFFFFFFFF
             ticket = taken >> 32
