@@ -22,7 +22,8 @@ def _length(n: int, shape=()) -> torch.Tensor:
 
 def _both(case: Case, n: int, shape=(), **kw):
     """The op with ``append=True`` at running length ``n`` and with rows n .. n + S - 1 given,
-    on copies of one input set: ((outputs, caches), (outputs, caches), length after)."""
+    on copies of one input set: ``(inputs, [(q_rot, k_rot, key_cache, value_cache)] for the
+    two calls, the running length after the first)``."""
     args = make_inputs(case)
     S = args[0].shape[2]
     runs = []
