@@ -27,7 +27,9 @@ from .checks import (
 )
 from .launcher import APPEND_LAUNCHER, COS_SIN_LAUNCHER, LAUNCHER, launch_cos_sin
 from .registration import options_key, qknorm_rope, qknorm_rope_append
-from .validation import check_rows, check_scale, validated_rows, validated_scale
+from .validation import (
+    check_room, check_rows, check_scale, validated_rows, validated_scale,
+)
 
 __all__ = ["fused_rope_with_qk_norm_and_kv_cache_update", "fused_qk_norm_rope_paged",
            "fused_qkv_norm_rope_paged", "split_packed_qkv", "vllm_per_token_head_views",
@@ -352,10 +354,7 @@ def _validate(rows: torch.Tensor, bound: int, name: str, scales: tuple,
                 tuple(None if s is None else validated_scale(s, n)
                       for n, s in zip(_SCALE_NAMES, scales)))
     if appended is not None:
-        n = int(rows.reshape(()))  # host sync: only on request
-        if not 0 <= n <= bound - appended:
-            raise ValueError(f"{name} (append=True, the running length) is {n}: {appended} new "
-                             f"rows do not fit the cache's {bound} rows")
+        check_room(rows, appended, bound, name)
     else:
         check_rows(rows, bound, name)
     for n, s in zip(_SCALE_NAMES, scales):

@@ -1,6 +1,7 @@
 """Host side of the op after its checks (``checks.py``): two thin layout adapters, one tile
 picker and one launch, shared by both entry points; it checks nothing (the registered op's body
-runs it on checked arguments)."""
+runs it on checked arguments) but, in Triton's interpreter, what the kernel's device assert
+would (an ``append=True`` running length)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from .._launch import KernelLauncher
 from .._overlap import extent
 from .checks import Options
 from .kernel import qknorm_rope_kernel, rope_cos_sin_kernel
+from .validation import check_room
 
 __all__ = ["TileConfig", "PER_CALL", "pick_config", "launch", "LAUNCHER", "APPEND_LAUNCHER",
            "wide_offsets",
@@ -204,7 +206,9 @@ def launch(query, key, value, positions, key_cache, value_cache, slots, q_norm_w
         enable_fp_fusion=False, num_warps=cfg.num_warps)
     if opts.append:
         if interpreting():
-            _interpreter_append_check(slots, T, args["rows_per_batch"])
+            # The device assert's check, which the interpreter skips: on the host (its tensors
+            # are on the CPU: no sync).
+            check_room(slots, T, args["rows_per_batch"], "cache_position", IndexError)
         else:
             # The running length's device assert: Triton compiles device_assert only in debug
             # mode, whose other effect, integer-overflow asserts, stays off (masked lanes may
@@ -212,15 +216,6 @@ def launch(query, key, value, positions, key_cache, value_cache, slots, q_norm_w
             meta.update(debug=True, sanitize_overflow=False)
     compiled = LAUNCHER.launch(grid, args, meta, query.device)
     return compiled, grid, args, meta
-
-
-def _interpreter_append_check(length: torch.Tensor, T: int, rows: int) -> None:
-    """The kernel's device assert on the running length, which Triton's interpreter skips: on
-    the host (the interpreter's tensors are on the CPU: no sync)."""
-    n = int(length.reshape(()))
-    if not 0 <= n <= rows - T:
-        raise IndexError(f"qkrope: cache_position (append=True, the cache's running length) is "
-                         f"{n}: {T} new rows do not fit a cache of {rows} rows")
 
 
 def saturating_fp8_cvt(device: torch.device) -> bool:

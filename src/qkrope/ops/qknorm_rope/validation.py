@@ -1,4 +1,5 @@
-"""``validate=True``: the value checks of cache rows / slots and FP8 scale tensors.
+"""``validate=True``: the value checks of cache rows / slots, a running length and FP8 scale
+tensors.
 
 They read tensor values, so they cost a host sync and run only on request. Eagerly they raise
 ``ValueError`` at once. Under ``torch.compile`` they run as two small custom ops when the
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check_rows", "check_scale", "validated_rows", "validated_scale"]
+__all__ = ["check_rows", "check_room", "check_scale", "validated_rows", "validated_scale"]
 
 
 def check_rows(rows: torch.Tensor, bound: int, name: str) -> None:
@@ -24,6 +25,16 @@ def check_rows(rows: torch.Tensor, bound: int, name: str) -> None:
     if not bool(ok.all()):  # host sync: only on request
         raise ValueError(f"{name} holds {r.reshape(-1)[~ok.reshape(-1)][0].item()}, outside the "
                          f"cache [0, {bound}) (validate=True raises instead of skipping)")
+
+
+def check_room(length: torch.Tensor, new_rows: int, bound: int, name: str,
+               error: type[Exception] = ValueError) -> None:
+    """``append=True``: the running length ``length`` leaves room for ``new_rows`` rows of a
+    ``bound``-row cache (0 <= n <= bound - new_rows), or ``error`` naming ``name`` and n."""
+    n = int(length.reshape(()))  # host sync on a GPU: only on request
+    if not 0 <= n <= bound - new_rows:
+        raise error(f"{name} (append=True, the cache's running length) is {n}: {new_rows} new "
+                    f"rows do not fit a cache of {bound} rows")
 
 
 def check_scale(scale: torch.Tensor, name: str) -> None:
