@@ -1,9 +1,10 @@
 """What one step of the e2e model launches, stock against patched: per step the CUDA kernels
 (count and GPU µs, by name), in compiled modes the guards checked before every call (how many,
-and their µs alone) and, in ``torch.compile`` without CUDA graphs, the host hot spots
-(``torch.profiler``). The tool behind the compiled cells of BENCHMARKS.md's end-to-end table:
-where ``qkrope bench --e2e`` shows patched ≈ stock, this shows whether the step differs in GPU
-work (kernels the patch adds or removes) or in host time (the op's call in the graph).
+and their µs alone) and the host hot spots (``torch.profiler``: the patched step's in
+``torch.compile``, both variants' in reduce-overhead). The tool behind the compiled cells of
+BENCHMARKS.md's end-to-end table: where ``qkrope bench --e2e`` shows patched ≈ stock, this
+shows whether the step differs in GPU work (kernels the patch adds or removes) or in host time
+(the op's call in the graph).
 
     python benchmarks/e2e_profile.py [--model qwen3-8b] [--cells reduce-overhead:1:decode,...]
         [--variants stock,patched[,free]] [--steps 20] [--json rows.json]
@@ -116,10 +117,11 @@ def main(argv=None) -> int:
                   + "\n")
             for name, (c, t) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:args.top]:
                 print(f"- {c / n:4.1f}× {t / n:8.1f} µs `{name}`")
-            if mode == "compile" and variant == "patched":
+            if mode == "compile" and variant == "patched" or mode == "reduce-overhead":
+                # (replays: both variants, the host calls per step are the lead, lead 5 g)
                 print("\n```\n" + prof.key_averages().table(
-                    sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=50)
-                    + "```")
+                    sort_by="self_cpu_time_total", row_limit=12 if mode == "compile" else 25,
+                    max_name_column_width=50) + "```")
         unpatch(model)
         layer_module._prologue = prologue
         if not {"stock", "patched"} <= set(per):
