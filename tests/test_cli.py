@@ -586,7 +586,7 @@ class _FakeWorker:
     """A stand-in for an e2e worker process: answers the parent's requests from fixed
     figures (a step of ``wall`` ms, its host part half of it) and records them."""
 
-    log = []  # (variant, wall) of every generate() round, all stand-ins, in order
+    log = []  # (variant, wall) of every block and generate() round, all stand-ins, in order
 
     def __init__(self, variant, wall, dev=0.0, graphs=1):
         self.variant, self.preset, self.wall = variant, "p", wall
@@ -594,7 +594,7 @@ class _FakeWorker:
 
     def send(self, name, *args):
         self.calls.append((name, args[:3] if name == "block" else args[:2]))
-        if name == "generate_round":
+        if name in ("block", "generate_round"):
             self.log.append((self.variant, self.wall))
         if name == "reference":
             self._reply = ([torch.zeros(1, 4)] * 2, torch.zeros(1))  # logits, first token
@@ -632,10 +632,17 @@ def test_e2e_several_processes_per_variant_take_turns_and_pool():
         _measure(workers, cell, torch.zeros(1, 8, dtype=torch.long), 40, 5, "cuda", {})
         return cell, workers
 
-    cell, workers = run("decode", "compile", (1.0, 1.0, 0.9, 0.9))
+    _FakeWorker.log.clear()
+    cell, workers = run("decode", "compile", (1.0, 1.1, 0.9, 0.95))
     for w in (w for ws in workers.values() for w in ws):
         blocks = [args[:2] for name, args in w.calls if name == "block"]
         assert blocks == [(s, min(45, s + BLOCK)) for s in range(5, 45, BLOCK)], blocks
+    # each process pair runs both orders: the first of a pair alternates from turn to turn
+    pairs = [_FakeWorker.log[i:i + 2] for i in range(0, len(_FakeWorker.log), 2)]
+    assert [{v for v, _ in p} for p in pairs] == [{"stock", "patched"}] * 8
+    assert [p[0] for p in pairs] == [("stock", 1.0), ("stock", 1.1), ("patched", 0.9),
+                                     ("patched", 0.95)] * 2
+    cell, workers = run("decode", "compile", (1.0, 1.0, 0.9, 0.9))
     assert len(cell.stock_times) == len(cell.patched_times) == 2 * 40
     assert cell.speedup == pytest.approx(1 / 0.9) and cell.stock_host_ms == 0.5
     assert cell.speedup_interval == pytest.approx((1 / 0.9, 1 / 0.9))
@@ -645,11 +652,15 @@ def test_e2e_several_processes_per_variant_take_turns_and_pool():
     assert [n for n, _ in workers["stock"][0].calls].count("reference") == 1
     assert "reference" not in [n for n, _ in workers["stock"][1].calls]
 
-    # prefills of 1 ms: blocks while under the time budget, up to PREFILL_MOST
+    # prefills of 1 ms: blocks while under the time budget, up to PREFILL_MOST, the processes
+    # in turn, each pair of them in both orders
+    _FakeWorker.log.clear()
     cell, workers = run("prefill", "eager", (1.0, 1.0, 0.9, 0.9))
     got = [[args[:2] for name, args in w.calls if name == "block"] for w in workers["stock"]]
     every = [(s, s + PREFILL_BLOCK) for s in range(2, 2 + PREFILL_MOST, PREFILL_BLOCK)]
     assert got == [every[0::2], every[1::2]] and len(cell.stock_times) == PREFILL_MOST
+    firsts = [_FakeWorker.log[i][0] for i in range(0, len(_FakeWorker.log), 2)]
+    assert firsts[:8] == ["stock", "stock", "patched", "patched"] * 2
     # prefills of 600 ms: the fewest (prefill_steps), rounded up to whole turns of blocks
     cell, workers = run("prefill", "compile", (600.0, 600.0, 590.0, 590.0))
     n = prefill_steps(40)  # 13: 7 blocks, then an 8th for the second process's 4th

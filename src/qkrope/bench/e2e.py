@@ -15,7 +15,7 @@ design.md, "End-to-end bench"); two per variant on a GPU (:data:`PROCESSES`), th
 pooled, as one process's host runs at a speed of its own. The parent sets all up side by side
 (compiles, untimed), then times them in alternating blocks of steps (:data:`BLOCK`), one
 process on the GPU at a time and all on one core, so a drift of the machine's speed hits both
-variants alike. A variant's figure is the median over its blocks of each block's median
+variants alike; which variant goes first alternates from pair to pair of blocks. A variant's figure is the median over its blocks of each block's median
 step time (:func:`block_median`); beside each speed-up (the ratio of those), a 95% interval from
 resampling the processes and the pairs of blocks (:func:`speedup_interval`): a cell whose
 interval holds 1.0 is a tie within this run's noise.
@@ -618,17 +618,20 @@ def _measure(workers: dict, cell: Cell, stream, steps, warmup, device,
             for v in variants if (r // procs) % 2 == 0 else variants[::-1]:
                 times[v].append(workers[v][r % procs].call("generate_round", lo, hi, core))
     else:
-        def run_block(start: int, stop: int, r: int) -> None:
-            for v in variants:
+        def run_block(start: int, stop: int, r: int, turn: int) -> None:
+            # The variants' order alternates with the turn, so each process pair runs both
+            # orders: a pair's second block read 0.4-2% faster than its first where both
+            # variants were stock, or their roles swapped (docs/design.md, "End-to-end bench").
+            for v in variants if turn % 2 == 0 else variants[::-1]:
                 for wall, host in workers[v][r].call("block", start, stop, core):
                     times[v].append(wall)
                     hosts[v].append(host)
 
         if cell.phase == "decode":  # every block in every process
             block, n = BLOCK, warmup + steps
-            for start in range(first_timed, n, block):
+            for turn, start in enumerate(range(first_timed, n, block)):
                 for r in range(procs):
-                    run_block(start, min(n, start + block), r)
+                    run_block(start, min(n, start + block), r, turn)
         else:  # prefills, each on its own: blocks go to the processes in turn
             block, k = PREFILL_BLOCK, 0
             least = max(procs, prefill_steps(steps))
@@ -636,7 +639,7 @@ def _measure(workers: dict, cell: Cell, stream, steps, warmup, device,
             while k * block < least or k % procs or (
                     k * block < most and sum(times["stock"]) < PREFILL_BUDGET_MS):
                 start = first_timed + k * block
-                run_block(start, start + block, k % procs)
+                run_block(start, start + block, k % procs, k // procs)
                 k += 1
     last = {v: [w.call("finish") for w in workers[v]] for v in variants}
     cell.block = block
