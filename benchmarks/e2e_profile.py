@@ -117,8 +117,8 @@ def main(argv=None) -> int:
                   + "\n")
             for name, (c, t) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:args.top]:
                 print(f"- {c / n:4.1f}× {t / n:8.1f} µs `{name}`")
-            if mode == "compile" and variant == "patched" or mode == "reduce-overhead":
-                # (replays: both variants, the host calls per step are the lead, lead 5 g)
+            # replays: both variants' host calls per step (docs/perf-notes.md, lead 5 g)
+            if (mode == "compile" and variant == "patched") or mode == "reduce-overhead":
                 print("\n```\n" + prof.key_averages().table(
                     sort_by="self_cpu_time_total", row_limit=12 if mode == "compile" else 25,
                     max_name_column_width=50) + "```")

@@ -15,10 +15,11 @@ design.md, "End-to-end bench"); two per variant on a GPU (:data:`PROCESSES`), th
 pooled, as one process's host runs at a speed of its own. The parent sets all up side by side
 (compiles, untimed), then times them in alternating blocks of steps (:data:`BLOCK`), one
 process on the GPU at a time and all on one core, so a drift of the machine's speed hits both
-variants alike; which variant goes first alternates from pair to pair of blocks. A variant's figure is the median over its blocks of each block's median
-step time (:func:`block_median`); beside each speed-up (the ratio of those), a 95% interval from
-resampling the processes and the pairs of blocks (:func:`speedup_interval`): a cell whose
-interval holds 1.0 is a tie within this run's noise.
+variants alike; which variant goes first alternates from pair to pair of blocks. A variant's
+figure is the median over its blocks of each block's median step time (:func:`block_median`);
+beside each speed-up (the ratio of those), a 95% interval from resampling the processes and
+the pairs of blocks (:func:`speedup_interval`): a cell whose interval holds 1.0 is a tie
+within this run's noise.
 
 Correctness: random weights give near-ties, so greedy tokens alone prove nothing. Both
 variants are fed the same fixed token stream (teacher forcing) and their last logits are
