@@ -4,7 +4,9 @@ bit-identical everywhere else)."""
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -14,6 +16,16 @@ from qkrope.suite import rope_inv_freq
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ON_GPU = DEVICE == "cuda"
+
+
+def division_check():
+    """A fresh copy of ``benchmarks/fp8_division_check.py`` (exact-FMA emulations of the
+    kernel's divisions): a test may replace its functions to give a check teeth."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "fp8_division_check.py"
+    spec = importlib.util.spec_from_file_location("fp8_division_check", path)
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    return check
 
 
 @dataclass

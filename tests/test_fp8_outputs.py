@@ -4,14 +4,11 @@ rotated row it computes in the activation dtype (spec.md R4), through both entry
 tensor and per head, next to bf16 or FP8 caches; special values; the store's rounding for every
 bf16 value; refusals by name. CPU: the real kernel in Triton's interpreter."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 import triton
 import triton.language as tl
-from helpers import DEVICE, Case, make_inputs
+from helpers import DEVICE, Case, division_check, make_inputs
 from test_qknorm_rope import PCase, make
 
 import qkrope
@@ -20,7 +17,6 @@ from qkrope.ops.qknorm_rope.launcher import saturating_fp8_cvt
 from qkrope.ops.qknorm_rope.quantize import _store_fp8
 from qkrope.ops.qknorm_rope.reference import quantize
 
-ROOT = Path(__file__).resolve().parents[1]
 
 FP8 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -215,10 +211,7 @@ def test_static_scale_quotient_gives_the_ieee_quotients_codes():
     and e5m2 codes as torch's ``x / s`` for every bf16 and fp16 ``x`` on a few scales (the full
     check: ``python benchmarks/fp8_division_check.py``), and the check has teeth: the quotient
     without its FMA correction is caught."""
-    spec = importlib.util.spec_from_file_location(
-        "fp8_division_check", ROOT / "benchmarks" / "fp8_division_check.py")
-    check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(check)
+    check = division_check()
     assert check.main(["--scales", "4"]) == 0
     check.kernel_quotient = lambda x, s: (x.astype(check.F64) * check.F64(
         check.F32(1.0 / check.F64(s)))).astype(check.F32)

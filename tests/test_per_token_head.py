@@ -4,13 +4,10 @@ vLLM 0.34's ``fp8_per_token_head`` cache layout (``qkrope.vllm_per_token_head_vi
 separate scale tensors; both entry points; special rows; skipped rows untouched. CPU: the real
 kernel in Triton's interpreter."""
 
-import importlib.util
-import pathlib
-
 import numpy as np
 import pytest
 import torch
-from helpers import DEVICE, Case, make_inputs
+from helpers import DEVICE, Case, division_check, make_inputs
 from test_qknorm_rope import PCase, make
 
 import qkrope
@@ -303,10 +300,7 @@ def test_a_rows_scale_quotient_is_the_ieee_quotient_for_every_amax(Q):
     RN(1/Q) and one FMA correction (the interpreter divides). Emulated with exact FMAs, that
     equals the IEEE quotient for every amax a row can have (each bf16 and fp16 value >= 0, and
     inf), and the check has teeth: the product alone differs."""
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "fp8_division_check.py"
-    spec = importlib.util.spec_from_file_location("fp8_division_check", path)
-    check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(check)
+    check = division_check()
     x = np.concatenate([check.every_value(torch.bfloat16), check.every_value(torch.float16),
                         [np.inf]]).astype(check.F32)
     x = x[x >= 0]
@@ -322,14 +316,12 @@ def test_a_rows_scale_quotient_is_the_ieee_quotient_for_every_amax(Q):
 def test_one_newton_step_gives_the_reciprocal_of_every_rows_scale(Q):
     """On a GPU the kernel makes a row's codes with ``RN(1/s)`` from Triton's ``1 / s`` and one
     FMA Newton step (``quantize._token_head_scale``; docs/design.md, "Per-token-head
-    scales"): for every scale a row can have, s = max(amax / Q, 1e-6) with amax each bf16 and fp16
-    value >= 0 (inf and NaN apart), one FMA Newton step from any start within 8 ulp of 1/s (Triton's
-    `1 / s` is within 2) gives RN(1/s), as div_rn does; the check has teeth: for fp32 scales in
-    general the step misses (the first mantissas where it does are in the last assert)."""
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "fp8_division_check.py"
-    spec = importlib.util.spec_from_file_location("fp8_division_check", path)
-    check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(check)
+    scales"): for every scale a row can have, s = max(amax / Q, 1e-6) with amax each bf16 and
+    fp16 value >= 0 (inf and NaN apart), one FMA Newton step from any start within 8 ulp of 1/s
+    (Triton's `1 / s` is within 2) gives RN(1/s), as div_rn does; the check has teeth: for fp32
+    scales in general the step misses (the first mantissas where it does are in the last
+    assert)."""
+    check = division_check()
     F32, F64 = check.F32, check.F64
     a = np.concatenate([check.every_value(torch.bfloat16),
                         check.every_value(torch.float16)]).astype(F32)
