@@ -5,6 +5,8 @@
 #   bash benchmarks/device_session.sh python     # QKROPE_NATIVE=0: launcher + GPU tests
 #   bash benchmarks/device_session.sh faults     # kill mid-build, GPU tests x2 (-n 12), memcheck
 #   bash benchmarks/device_session.sh quick      # qkrope bench, qkrope only (~80 s)
+#   bash benchmarks/device_session.sh memcheck   # the append and compiled paths' GPU tests
+#                                                  # under compute-sanitizer memcheck (~2 min)
 #   bash benchmarks/device_session.sh suite      # qkrope bench, suite, JSON + plot (~200 s)
 #   bash benchmarks/device_session.sh paged      # qkrope bench --layout paged       (~90 s)
 #   bash benchmarks/device_session.sh flashinfer # qkrope bench --layout paged vs FlashInfer
@@ -116,6 +118,11 @@ case "${1:-tests}" in
            --workloads 1,2,3,4,5,8,10,12,13,p1,p2 --json "$OUT/kernel-ab-$3.json" \
            2>&1 | tee "$OUT/kernel-ab-$3.md" ;;
   quick) python3 -m qkrope bench --impl qkrope --json "$OUT/quick.json" 2>&1 | tee "$OUT/quick.md" ;;
+  memcheck) # (not the full-cache test: its device assert, on purpose, is a report per warp)
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 300 compute-sanitizer --tool memcheck \
+      --report-api-errors no --error-exitcode 7 python3 -m pytest tests/test_append.py \
+      tests/test_compile.py -q -p no:cacheprovider -k "not device_side_assert" \
+      > "$OUT/memcheck.log" 2>&1; echo "memcheck rc=$?"; tail -2 "$OUT/memcheck.log" ;;
   faults) # a process killed mid-build, then the GPU tests twice (pytest-xdist), then memcheck
           # (API statuses not reported: the native plan's end-of-table parameter probe is one)
     PYTEST_ARGS="-n 12" PYTEST_TIMEOUT=300 bash benchmarks/device_faults.sh "$OUT" 2 \
