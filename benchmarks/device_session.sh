@@ -37,6 +37,12 @@
 #                                                  # tree, then tile_sweep: bf16, fp8-pth-q8 and
 #                                                  # int8-pth, production and each variant at 4
 #                                                  # tiles, alternating (tests ~2-3 min, sweep ~3)
+#   bash benchmarks/device_session.sh variants-modes NAME... # a kernel variant that moves every
+#                                                  # mode: the GPU tests of quantised outputs and
+#                                                  # appends on the last one's tree, then
+#                                                  # tile_sweep at pick_config's tile, production
+#                                                  # and each variant alternating, in bf16,
+#                                                  # fp8-pth-q8 and int8-pth (~4 min)
 #   bash benchmarks/device_session.sh quant-tiles HQ,HKV,T,WARPS... # tile_sweep: bf16, fp8-pth-q8,
 #                                                  # int8-pth at pick_config's tile and each
 #                                                  # given one, alternating (~4 min)
@@ -169,6 +175,22 @@ case "${1:-tests}" in
         --configs $tiles --variants $kernels > "$OUT/tiles-$mode.md" 2>&1; echo "$mode rc=$?"
     done
     grep -h "^#" "$OUT"/tiles-*.md | cut -c1-400 ;;
+  variants-modes) # (docs/perf-notes.md, lead 6 k)
+    shift; python3 benchmarks/variants.py /tmp/v "$@" || exit 1
+    last=${!#}
+    PYTHONPATH=/tmp/v/$last/src${PYTHONPATH:+:$PYTHONPATH} timeout 200 python3 -m pytest -q \
+      -p no:cacheprovider -n 12 tests/test_per_token_head.py tests/test_fp8_outputs.py \
+      tests/test_append.py tests/test_gpu.py 2>&1 | tail -3
+    kernels=production; for name in "$@"; do kernels=$kernels,$name; done
+    for mode in bf16 fp8-pth-q8 int8-pth; do
+      case $mode in bf16) f="";;
+        fp8-pth-q8) f="--kv-scales per-token-head --kv-dtype fp8 --q-out fp8";;
+        int8-pth) f="--kv-scales per-token-head --kv-dtype int8";; esac
+      timeout 150 python3 benchmarks/tile_sweep.py --rows 1,2,3,4,8,13,p1,p2,p3 $f \
+        --configs pick --variants $kernels --rounds 5 > "$OUT/variants-$mode.md" 2>&1
+      echo "$mode rc=$?"
+    done
+    grep -h "^#\|^|" "$OUT"/variants-*.md | cut -c1-300 ;;
   quant-tiles) # pick_config's tile against the given ones per output mode (bf16 first, for the
     # ratio), candidates alternating in one process (docs/perf-notes.md, lead 6)
     shift; tiles="pick $*"; rows=1,2,3,4,5,6,7,8,9,10,11,12,13,p1,p2,p3
