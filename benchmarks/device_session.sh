@@ -38,11 +38,11 @@
 #                                                  # int8-pth, production and each variant at 4
 #                                                  # tiles, alternating (tests ~2-3 min, sweep ~3)
 #   bash benchmarks/device_session.sh variants-modes NAME... # a kernel variant that moves every
-#                                                  # mode: the GPU tests of quantised outputs and
-#                                                  # appends on the last one's tree, then
-#                                                  # tile_sweep at pick_config's tile, production
-#                                                  # and each variant alternating, in bf16,
-#                                                  # fp8-pth-q8 and int8-pth (~4 min)
+#                                                  # mode: the GPU tests of the op, quantised
+#                                                  # outputs and appends on the last one's tree,
+#                                                  # then tile_sweep at pick_config's tile,
+#                                                  # production and each variant alternating,
+#                                                  # in bf16, fp8-pth-q8 and int8-pth (~6 min)
 #   bash benchmarks/device_session.sh quant-tiles HQ,HKV,T,WARPS... # tile_sweep: bf16, fp8-pth-q8,
 #                                                  # int8-pth at pick_config's tile and each
 #                                                  # given one, alternating (~4 min)
@@ -178,9 +178,9 @@ case "${1:-tests}" in
   variants-modes) # (docs/perf-notes.md, lead 6 k)
     shift; python3 benchmarks/variants.py /tmp/v "$@" || exit 1
     last=${!#}
-    PYTHONPATH=/tmp/v/$last/src${PYTHONPATH:+:$PYTHONPATH} timeout 200 python3 -m pytest -q \
+    PYTHONPATH=/tmp/v/$last/src${PYTHONPATH:+:$PYTHONPATH} timeout 240 python3 -m pytest -q \
       -p no:cacheprovider -n 12 tests/test_per_token_head.py tests/test_fp8_outputs.py \
-      tests/test_append.py tests/test_gpu.py 2>&1 | tail -3
+      tests/test_append.py tests/test_qknorm_rope.py tests/test_gpu.py 2>&1 | tail -3
     kernels=production; for name in "$@"; do kernels=$kernels,$name; done
     for mode in bf16 fp8-pth-q8 int8-pth; do
       case $mode in bf16) f="";;
