@@ -16,8 +16,8 @@ breaks a variant loudly instead of silently timing the production kernel
 trig_first_single_row; the eviction hints of docs/design.md §Tile rule: commit bdd73a8;
 partial_rotary_freqs, fma_division, satfinite_store, fp8_stores, pth_amax_max, int8_no_clamp,
 pth_lean, pth_early, pth_lean_early, pth_fma_quotient, pth_newton_reciprocal: adopted, in git
-before the commit that adopted them; q8_store8: refuted, docs/perf-notes.md lead 6 g) are in git
-history. What each variant measured: docs/design.md and docs/perf-notes.md.
+before the commit that adopted them; q8_store8, kv_first: refuted, docs/perf-notes.md leads 6 g
+and 6 k) are in git history. What each variant measured: docs/design.md and docs/perf-notes.md.
 
     python benchmarks/variants.py /tmp/v [NAME ...]     # writes /tmp/v/<name>/src, prints it
 """
@@ -61,19 +61,6 @@ _NO_TRIG = [Edit(KERNEL, "cos = libdevice.cos(angle)", "cos = angle * 0.0 + 1.0"
 _TRIG_HW = [Edit(KERNEL, "cos = libdevice.cos(angle)", "cos = libdevice.fast_cosf(angle)"),
             Edit(KERNEL, "sin = libdevice.sin(angle)", "sin = libdevice.fast_sinf(angle)")]
 
-# K/V programs first in the grid's head axis (docs/perf-notes.md, lead 6 k): blocks start in
-# the order of their linear index, so the programs with the longest dependent chain (a
-# per-token-head K row: norm, rotation, a row amax, the scale, the codes) start first.
-_KV_FIRST = [
-    Edit(KERNEL, """    if pid_h < n_q_blocks:
-        hq = (pid_h * BLOCK_HQ + tl.arange(0, BLOCK_HQ))[:, None, None]""",
-         """    n_kv_blocks = (Hkv + BLOCK_HKV - 1) // BLOCK_HKV
-    if pid_h >= n_kv_blocks:
-        hq = ((pid_h - n_kv_blocks) * BLOCK_HQ + tl.arange(0, BLOCK_HQ))[:, None, None]"""),
-    Edit(KERNEL, "        hk = ((pid_h - n_q_blocks) * BLOCK_HKV + tl.arange(0, BLOCK_HKV))",
-         "        hk = (pid_h * BLOCK_HKV + tl.arange(0, BLOCK_HKV))"),
-]
-
 #: name -> (what it probes, edits).
 VARIANTS: dict[str, tuple[str, list[Edit]]] = {
     "skeleton": ("loads and stores only, no norm, rotation or trig: a lower bound for this "
@@ -82,8 +69,6 @@ VARIANTS: dict[str, tuple[str, list[Edit]]] = {
                 "costs (wrong results by design)", _NO_TRIG),
     "trig_hw": ("libdevice's fast_cosf/fast_sinf (MUFU approximations) instead of the accurate "
                 "cos/sin: cost probe, wrong at large angles", _TRIG_HW),
-    "kv_first": ("K/V programs before Q programs in the grid (the longest chains start "
-                 "first; the same results)", _KV_FIRST),
     "int32_addressing": ("every int64 conversion made int32: what int64 offsets cost (wrong "
                          "past 2**31 elements by design)",
                          [Edit(KERNEL, ".to(tl.int64)", ".to(tl.int32)", every=True)]),
