@@ -61,6 +61,23 @@ _NO_TRIG = [Edit(KERNEL, "cos = libdevice.cos(angle)", "cos = angle * 0.0 + 1.0"
 _TRIG_HW = [Edit(KERNEL, "cos = libdevice.cos(angle)", "cos = libdevice.fast_cosf(angle)"),
             Edit(KERNEL, "sin = libdevice.sin(angle)", "sin = libdevice.fast_sinf(angle)")]
 
+# A row's amax as the integer maximum of the bits of |x| (order-preserving for every
+# non-negative fp32 and NaN above inf), which Triton reduces across a warp with one
+# `redux.sync.max.s32` on sm_80 and later instead of five shuffle-and-max rounds.
+_INT_AMAX = Edit(QUANTIZE, '''    if out_ptr.dtype.element_ty == tl.int8:
+        return tl.maximum(tl.reduce(tl.abs(x_lo), 2, _max_nan)[:, :, None],
+                          tl.reduce(tl.abs(x_hi), 2, _max_nan)[:, :, None],
+                          propagate_nan=tl.PropagateNan.ALL)
+    amax = tl.maximum(_row_max(tl.abs(x_lo)), _row_max(tl.abs(x_hi)))
+    return tl.where(amax != amax, 0.0, amax)
+''', '''    lo = x_lo.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    hi = x_hi.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    if out_ptr.dtype.element_ty != tl.int8:  # NaN not counted
+        lo = tl.where(lo > 0x7F800000, 0, lo)
+        hi = tl.where(hi > 0x7F800000, 0, hi)
+    return tl.max(tl.maximum(lo, hi), 2)[:, :, None].to(tl.float32, bitcast=True)
+''')
+
 #: name -> (what it probes, edits).
 VARIANTS: dict[str, tuple[str, list[Edit]]] = {
     "skeleton": ("loads and stores only, no norm, rotation or trig: a lower bound for this "
@@ -72,6 +89,8 @@ VARIANTS: dict[str, tuple[str, list[Edit]]] = {
     "int32_addressing": ("every int64 conversion made int32: what int64 offsets cost (wrong "
                          "past 2**31 elements by design)",
                          [Edit(KERNEL, ".to(tl.int64)", ".to(tl.int32)", every=True)]),
+    "pth_int_amax": ("per-token-head amax as an integer max of |x|'s bits (one warp "
+                     "reduction instruction on sm_80+), the same values", [_INT_AMAX]),
 }
 
 
