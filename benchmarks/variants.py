@@ -15,9 +15,9 @@ breaks a variant loudly instead of silently timing the production kernel
 (tests/test_variants.py). Variants that were adopted or refuted (rstd_first, two_q_heads,
 trig_first_single_row; the eviction hints of docs/design.md §Tile rule: commit bdd73a8;
 partial_rotary_freqs, fma_division, satfinite_store, fp8_stores, pth_amax_max, int8_no_clamp,
-pth_lean, pth_early, pth_lean_early, pth_fma_quotient, pth_newton_reciprocal: adopted, in git
-before the commit that adopted them; q8_store8, kv_first: refuted, docs/perf-notes.md leads 6 g
-and 6 k) are in git history. What each variant measured: docs/design.md and docs/perf-notes.md.
+pth_lean, pth_early, pth_lean_early, pth_fma_quotient, pth_newton_reciprocal, pth_int_amax:
+adopted, in git before the commit that adopted them; q8_store8, kv_first: refuted,
+docs/perf-notes.md leads 6 g and 6 k) are in git history. What each variant measured: docs/design.md and docs/perf-notes.md.
 
     python benchmarks/variants.py /tmp/v [NAME ...]     # writes /tmp/v/<name>/src, prints it
 """
@@ -61,22 +61,35 @@ _NO_TRIG = [Edit(KERNEL, "cos = libdevice.cos(angle)", "cos = angle * 0.0 + 1.0"
 _TRIG_HW = [Edit(KERNEL, "cos = libdevice.cos(angle)", "cos = libdevice.fast_cosf(angle)"),
             Edit(KERNEL, "sin = libdevice.sin(angle)", "sin = libdevice.fast_sinf(angle)")]
 
-# A row's amax as the integer maximum of the bits of |x| (order-preserving for every
-# non-negative fp32 and NaN above inf), which Triton reduces across a warp with one
-# `redux.sync.max.s32` on sm_80 and later instead of five shuffle-and-max rounds.
-_INT_AMAX = Edit(QUANTIZE, '''    if out_ptr.dtype.element_ty == tl.int8:
-        return tl.maximum(tl.reduce(tl.abs(x_lo), 2, _max_nan)[:, :, None],
-                          tl.reduce(tl.abs(x_hi), 2, _max_nan)[:, :, None],
-                          propagate_nan=tl.PropagateNan.ALL)
-    amax = tl.maximum(_row_max(tl.abs(x_lo)), _row_max(tl.abs(x_hi)))
-    return tl.where(amax != amax, 0.0, amax)
-''', '''    lo = x_lo.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    hi = x_hi.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    if out_ptr.dtype.element_ty != tl.int8:  # NaN not counted
-        lo = tl.where(lo > 0x7F800000, 0, lo)
-        hi = tl.where(hi > 0x7F800000, 0, hi)
-    return tl.max(tl.maximum(lo, hi), 2)[:, :, None].to(tl.float32, bitcast=True)
-''')
+# The static-scale FP8 store's exact quotient (kernel._store_scaled): without the subnormal
+# scale's rescale, and without the FMA correction too (a plain product by the reciprocal).
+_SCALED_RESCALE = """            m = tl.where((scale > 0.0) & (scale < 1.1754943508222875e-38), 18446744073709551616.0,
+                         1.0)
+            s = scale * m
+            x = x * m
+"""
+_NO_RESCALE = Edit(KERNEL, _SCALED_RESCALE, "            s = scale\n")
+_NO_CORRECTION = Edit(KERNEL, """            q1 = tl.fma(tl.fma(-q0, s, x), r, q0)
+            q = tl.where(tl.abs(q1) > 0.0, q1, q0)
+""", "            q = q0\n")
+
+# Where every scale of the tile is a normal power of two, x * (1/s) is the quotient itself (the
+# reciprocal exact, one rounding): a branch uniform over the program takes the product there
+# and the exact quotient's correction elsewhere, with the same bits.
+_POW2_BRANCH = Edit(KERNEL, _SCALED_RESCALE + """            r = tl.math.div_rn(1.0, s)
+            q0 = x * r
+            q1 = tl.fma(tl.fma(-q0, s, x), r, q0)
+            q = tl.where(tl.abs(q1) > 0.0, q1, q0)
+""", """            sb = scale.to(tl.int32, bitcast=True)
+            odd = tl.max(tl.where(((sb & 0x7FFFFF) == 0) & ((sb & 0x7F800000) != 0), 0, 1))
+            if odd == 0:
+                q = x * tl.math.div_rn(1.0, scale)
+            else:
+""" + "".join("    " + line + "\n" for line in (_SCALED_RESCALE + """            r = tl.math.div_rn(1.0, s)
+            q0 = x * r
+            q1 = tl.fma(tl.fma(-q0, s, x), r, q0)
+            q = tl.where(tl.abs(q1) > 0.0, q1, q0)
+""").splitlines()))
 
 #: name -> (what it probes, edits).
 VARIANTS: dict[str, tuple[str, list[Edit]]] = {
@@ -89,8 +102,14 @@ VARIANTS: dict[str, tuple[str, list[Edit]]] = {
     "int32_addressing": ("every int64 conversion made int32: what int64 offsets cost (wrong "
                          "past 2**31 elements by design)",
                          [Edit(KERNEL, ".to(tl.int64)", ".to(tl.int32)", every=True)]),
-    "pth_int_amax": ("per-token-head amax as an integer max of |x|'s bits (one warp "
-                     "reduction instruction on sm_80+), the same values", [_INT_AMAX]),
+    "scaled_no_rescale": ("static-scale FP8 stores without the subnormal scale's rescale: what "
+                          "it costs (wrong for subnormal scales by design)", [_NO_RESCALE]),
+    "scaled_product": ("static-scale FP8 stores as x * RN(1/s), no rescale, no FMA correction: "
+                       "what the exact quotient costs (wrong in rare last-ulp cases by design)",
+                       [_NO_RESCALE, _NO_CORRECTION]),
+    "scaled_pow2_branch": ("static-scale FP8 stores: where the tile's scales are all normal "
+                           "powers of two, the product by the reciprocal (exact there), the "
+                           "corrected quotient elsewhere; the same bits", [_POW2_BRANCH]),
 }
 
 

@@ -11,6 +11,7 @@ from helpers import DEVICE, Case, division_check, make_inputs
 from test_qknorm_rope import PCase, make
 
 import qkrope
+from qkrope.ops.qknorm_rope import launcher
 from qkrope.ops.qknorm_rope.reference import quantize_token_head
 
 FP8 = torch.float8_e4m3fn
@@ -150,7 +151,19 @@ def _write_fp8_rows(args, kwargs, v):
     return vc, vsc
 
 
-def test_zero_nan_inf_and_huge_rows():
+@pytest.fixture(params=["picked", "one_row"])
+def tile(request, monkeypatch):
+    """The launch's tile: pick_config's (the interpreter's whole head groups; a GPU's decode
+    tile for these few tokens), or one row a program forced, so the interpreter runs the
+    integer amax of one-row tiles too (quantize._token_head_amax)."""
+    if request.param == "one_row":
+        one_row = lambda *a: launcher.TileConfig(1, 1, 1, 1)  # noqa: E731
+        one_row.cache_clear = lambda: None
+        monkeypatch.setattr(launcher, "pick_config", one_row)
+    return request.param
+
+
+def test_zero_nan_inf_and_huge_rows(tile):
     args, kwargs = make(PCase(T=4, Hq=2, Hkv=2, D=64, seed=7))
     v = args[2].clone()
     v[0, 0] = 0                        # all zeros: scale 1e-6, codes 0
@@ -173,7 +186,7 @@ def test_zero_nan_inf_and_huge_rows():
 
 @pytest.mark.parametrize("dtype, snan", [(torch.bfloat16, 0x7FA0), (torch.float16, 0x7D00)],
                          ids=["bf16", "fp16"])
-def test_a_signalling_nan_is_not_counted_in_the_amax(dtype, snan):
+def test_a_signalling_nan_is_not_counted_in_the_amax(dtype, snan, tile):
     # A signalling NaN (quiet bit clear) anywhere in a V row: like a quiet one, it is left out
     # of the row's amax. The interpreter's max counted it at some positions (a scale of 1e-6 or
     # of a partial max: codes saturated).
@@ -260,7 +273,7 @@ def test_vllm_views_refuse_a_cache_of_another_shape():
         qkrope.vllm_per_token_head_views(torch.zeros(2, 2, 4, 128, dtype=torch.uint8), 64)
 
 
-def test_int8_zero_nan_inf_and_huge_rows():
+def test_int8_zero_nan_inf_and_huge_rows(tile):
     args, kwargs = make(PCase(T=4, Hq=2, Hkv=2, D=64, seed=11))
     v = args[2].clone()
     v[0, 0] = 0                        # all zeros: scale 1e-6, codes 0

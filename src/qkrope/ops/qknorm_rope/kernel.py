@@ -516,12 +516,13 @@ def qknorm_rope_kernel(
                             stride_vc_row, stride_vc_h, PAGED)
         # Each row's own scale, stored too (docs/design.md, "Per-token-head scales"): both
         # rows' reductions first, so their shuffles interleave before the first division.
+        ONE_ROW: tl.constexpr = BLOCK_HKV * BLOCK_T == 1
         if K_DYN:
             k32_lo, k32_hi = _f32(k_lo, INTERPRETER), _f32(k_hi, INTERPRETER)
-            k_amax = _token_head_amax(k32_lo, k32_hi, k_cache_ptr)
+            k_amax = _token_head_amax(k32_lo, k32_hi, k_cache_ptr, ONE_ROW)
         if V_DYN:
             v32 = _f32(v, INTERPRETER)
-            v_amax = _token_head_amax(v32, v32, v_cache_ptr)
+            v_amax = _token_head_amax(v32, v32, v_cache_ptr, ONE_ROW)
         if K_DYN:
             k_sc, k_r = _token_head_scale(k_amax, k_cache_ptr, INTERPRETER)
             _store_codes(k_cache_ptr, kc_row + d_lo * stride_kc_d, k32_lo * k_r, row_mask,

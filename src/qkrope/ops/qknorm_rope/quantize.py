@@ -91,13 +91,26 @@ def _max_nan(a, b):
 
 
 @triton.jit
-def _token_head_amax(x_lo, x_hi, out_ptr):
+def _token_head_amax(x_lo, x_hi, out_ptr, ONE_ROW: tl.constexpr):
     """The amax over D of a written row from its fp32 halves (a V row passes itself twice),
     NaN not counted: the row maximum's own combine skips NaN (max.f32; an all-NaN row gives
     NaN, made 0 by one select per row). An int8 row holding a NaN gets amax NaN instead (a
     NaN-propagating maximum: no second reduction for a NaN flag). Separate from
     :func:`_token_head_scale` so the kernel runs K's and V's reductions before either division
-    (docs/design.md, "Per-token-head scales")."""
+    (docs/design.md, "Per-token-head scales").
+
+    ``ONE_ROW`` (a tile of one row, one warp): the same value as the integer maximum of |x|'s
+    bits, which orders every non-negative float as the float maximum does and puts NaN above
+    inf, so it propagates NaN by itself (int8) or counts none once NaN's bits are made 0
+    (FP8); across a whole warp Triton reduces it with one ``redux.sync`` instead of five
+    shuffle rounds (docs/design.md, "Per-token-head scales": slower on wider tiles)."""
+    if ONE_ROW:
+        lo = x_lo.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        hi = x_hi.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        if out_ptr.dtype.element_ty != tl.int8:
+            lo = tl.where(lo > 0x7F800000, 0, lo)
+            hi = tl.where(hi > 0x7F800000, 0, hi)
+        return tl.max(tl.maximum(lo, hi), 2)[:, :, None].to(tl.float32, bitcast=True)
     if out_ptr.dtype.element_ty == tl.int8:
         return tl.maximum(tl.reduce(tl.abs(x_lo), 2, _max_nan)[:, :, None],
                           tl.reduce(tl.abs(x_hi), 2, _max_nan)[:, :, None],
