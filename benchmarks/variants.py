@@ -17,7 +17,8 @@ trig_first_single_row; the eviction hints of docs/design.md §Tile rule: commit 
 partial_rotary_freqs, fma_division, satfinite_store, fp8_stores, pth_amax_max, int8_no_clamp,
 pth_lean, pth_early, pth_lean_early, pth_fma_quotient, pth_newton_reciprocal, pth_int_amax:
 adopted, in git before the commit that adopted them; q8_store8, kv_first: refuted,
-docs/perf-notes.md leads 6 g and 6 k) are in git history. What each variant measured: docs/design.md and docs/perf-notes.md.
+docs/perf-notes.md leads 6 g and 6 k) are in git history. What each variant measured:
+docs/design.md and docs/perf-notes.md.
 
     python benchmarks/variants.py /tmp/v [NAME ...]     # writes /tmp/v/<name>/src, prints it
 """
@@ -63,10 +64,16 @@ _TRIG_HW = [Edit(KERNEL, "cos = libdevice.cos(angle)", "cos = libdevice.fast_cos
 
 # The static-scale FP8 store's exact quotient (kernel._store_scaled): without the subnormal
 # scale's rescale, and without the FMA correction too (a plain product by the reciprocal).
-_SCALED_RESCALE = """            m = tl.where((scale > 0.0) & (scale < 1.1754943508222875e-38), 18446744073709551616.0,
-                         1.0)
-            s = scale * m
-            x = x * m
+_SCALED_RESCALE = (
+    "            m = tl.where((scale > 0.0) & (scale < 1.1754943508222875e-38), "
+    "18446744073709551616.0,\n"
+    "                         1.0)\n"
+    "            s = scale * m\n"
+    "            x = x * m\n")
+_SCALED_QUOTIENT = """            r = tl.math.div_rn(1.0, s)
+            q0 = x * r
+            q1 = tl.fma(tl.fma(-q0, s, x), r, q0)
+            q = tl.where(tl.abs(q1) > 0.0, q1, q0)
 """
 _NO_RESCALE = Edit(KERNEL, _SCALED_RESCALE, "            s = scale\n")
 _NO_CORRECTION = Edit(KERNEL, """            q1 = tl.fma(tl.fma(-q0, s, x), r, q0)
@@ -76,20 +83,13 @@ _NO_CORRECTION = Edit(KERNEL, """            q1 = tl.fma(tl.fma(-q0, s, x), r, q
 # Where every scale of the tile is a normal power of two, x * (1/s) is the quotient itself (the
 # reciprocal exact, one rounding): a branch uniform over the program takes the product there
 # and the exact quotient's correction elsewhere, with the same bits.
-_POW2_BRANCH = Edit(KERNEL, _SCALED_RESCALE + """            r = tl.math.div_rn(1.0, s)
-            q0 = x * r
-            q1 = tl.fma(tl.fma(-q0, s, x), r, q0)
-            q = tl.where(tl.abs(q1) > 0.0, q1, q0)
-""", """            sb = scale.to(tl.int32, bitcast=True)
+_POW2_BRANCH = Edit(KERNEL, _SCALED_RESCALE + _SCALED_QUOTIENT, """\
+            sb = scale.to(tl.int32, bitcast=True)
             odd = tl.max(tl.where(((sb & 0x7FFFFF) == 0) & ((sb & 0x7F800000) != 0), 0, 1))
             if odd == 0:
                 q = x * tl.math.div_rn(1.0, scale)
             else:
-""" + "".join("    " + line + "\n" for line in (_SCALED_RESCALE + """            r = tl.math.div_rn(1.0, s)
-            q0 = x * r
-            q1 = tl.fma(tl.fma(-q0, s, x), r, q0)
-            q = tl.where(tl.abs(q1) > 0.0, q1, q0)
-""").splitlines()))
+""" + "".join(f"    {line}\n" for line in (_SCALED_RESCALE + _SCALED_QUOTIENT).splitlines()))
 
 #: name -> (what it probes, edits).
 VARIANTS: dict[str, tuple[str, list[Edit]]] = {
