@@ -398,7 +398,9 @@ def test_paged_prefill_inputs_hold_every_batch_row():
     (["--layout", "paged", "--kv-dtype", "int8", "--kv-scales", "per-token-head"],
      "INT8 caches, per-token-head scales, bf16 query output"),
     (["--kv-dtype", "fp8-e5m2", "--q-out", "fp8-e5m2"],
-     "FP8-E5M2 caches, per-tensor scales, FP8-E5M2 query output"),
+     "FP8-E5M2 caches, per-tensor scales, FP8-E5M2 query output, static scales 0.015625"),
+    (["--kv-dtype", "fp8", "--q-out", "fp8", "--scale", "0.0166"],  # not a power of two
+     "FP8 caches, per-tensor scales, FP8 query output, static scales 0.0166"),
 ])
 def test_cli_quantised_modes_on_cpu(capsys, flags, says):
     rc = main(["bench", "--shape", "5,3,2", *flags])
@@ -441,3 +443,5 @@ def test_cli_refuses_per_token_head_scales_without_fp8_caches(capsys):
     assert "--kv-dtype int8 needs --kv-scales per-token-head" in capsys.readouterr().err
     assert main(["bench", "--kv-dtype", "fp8-e5m2", "--kv-scales", "per-token-head"]) == 2
     assert "needs --kv-dtype fp8 (e4m3) or int8" in capsys.readouterr().err
+    assert main(["bench", "--kv-dtype", "fp8", "--scale", "0"]) == 2
+    assert "--scale must be finite and > 0, got 0.0" in capsys.readouterr().err

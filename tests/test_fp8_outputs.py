@@ -38,6 +38,8 @@ def fresh(args):
 
 
 def per(kind, n, base):
+    if kind.endswith("-pow2"):  # a power of two, as engines' default 1.0 (per head: 1-n times it)
+        kind, base = kind[:-len("-pow2")], 2.0**-8
     if kind == "float":
         return base
     if kind == "tensor":
@@ -53,7 +55,8 @@ def fp8_like(x, dtype=FP8):
     *((e, k, FP8) for e in ("bhsd", "paged-bf16-cache", "paged-fp8-cache")
       for k in ("float", "tensor", "per-head")),
     ("bhsd", "per-head", E5M2), ("paged-e5m2-cache", "float", E5M2),
-    ("paged-fp8-cache", "tensor", E5M2)])
+    ("paged-fp8-cache", "tensor", E5M2), ("bhsd", "float-pow2", FP8),
+    ("paged-bf16-cache", "tensor-pow2", E5M2), ("bhsd", "per-head-pow2", FP8)])
 def test_fp8_outputs_are_the_rotated_rows_quantised(entry, kind, out_dtype):
     if entry == "bhsd":
         op, args, kw = bhsd_call()
