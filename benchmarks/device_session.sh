@@ -42,7 +42,8 @@
 #                                                  # outputs and appends on the last one's tree,
 #                                                  # then tile_sweep at pick_config's tile,
 #                                                  # production and each variant alternating,
-#                                                  # in bf16, fp8-pth-q8 and int8-pth (~6 min)
+#                                                  # in bf16, fp8-pth-q8, int8-pth and
+#                                                  # fp8-pth-q8 at a scale not a power of two
 #   bash benchmarks/device_session.sh quant-tiles HQ,HKV,T,WARPS... # tile_sweep: bf16, fp8-pth-q8,
 #                                                  # int8-pth at pick_config's tile and each
 #                                                  # given one, alternating (~4 min)
@@ -185,9 +186,10 @@ case "${1:-tests}" in
       -p no:cacheprovider -n 12 tests/test_per_token_head.py tests/test_fp8_outputs.py \
       tests/test_append.py tests/test_qknorm_rope.py tests/test_gpu.py 2>&1 | tail -3
     kernels=production; for name in "$@"; do kernels=$kernels,$name; done
-    for mode in bf16 fp8-pth-q8 int8-pth; do
+    for mode in bf16 fp8-pth-q8 int8-pth fp8-pth-q8-cal; do
       case $mode in bf16) f="";;
         fp8-pth-q8) f="--kv-scales per-token-head --kv-dtype fp8 --q-out fp8";;
+        fp8-pth-q8-cal) f="--kv-scales per-token-head --kv-dtype fp8 --q-out fp8 --scale 0.0166";;
         int8-pth) f="--kv-scales per-token-head --kv-dtype int8";; esac
       timeout 150 python3 benchmarks/tile_sweep.py --rows 1,2,3,4,8,13,p1,p2,p3 $f \
         --configs pick --variants $kernels --rounds 5 > "$OUT/variants-$mode.md" 2>&1

@@ -80,14 +80,19 @@ _NO_CORRECTION = Edit(KERNEL, """            q1 = tl.fma(tl.fma(-q0, s, x), r, q
             q = tl.where(tl.abs(q1) > 0.0, q1, q0)
 """, "            q = q0\n")
 
-# Where every scale of the tile is a normal power of two, x * (1/s) is the quotient itself (the
-# reciprocal exact, one rounding): a branch uniform over the program takes the product there
-# and the exact quotient's correction elsewhere, with the same bits.
+# Branches uniform over the program, by the tile's scales (the same bits on every path): all
+# normal powers of two, x * (1/s) is the quotient itself (the reciprocal exact, one rounding);
+# all normal, the corrected quotient without the subnormal scale's rescale; else as now.
 _POW2_BRANCH = Edit(KERNEL, _SCALED_RESCALE + _SCALED_QUOTIENT, """\
             sb = scale.to(tl.int32, bitcast=True)
-            odd = tl.max(tl.where(((sb & 0x7FFFFF) == 0) & ((sb & 0x7F800000) != 0), 0, 1))
+            normal = (sb & 0x7F800000) != 0
+            odd = tl.max(tl.where(((sb & 0x7FFFFF) == 0) & normal, 0, 1))
+            tiny = tl.max(tl.where(normal, 0, 1))
             if odd == 0:
                 q = x * tl.math.div_rn(1.0, scale)
+            elif tiny == 0:
+                s = scale
+""" + "".join(f"    {line}\n" for line in _SCALED_QUOTIENT.splitlines()) + """\
             else:
 """ + "".join(f"    {line}\n" for line in (_SCALED_RESCALE + _SCALED_QUOTIENT).splitlines()))
 
@@ -108,8 +113,8 @@ VARIANTS: dict[str, tuple[str, list[Edit]]] = {
                        "what the exact quotient costs (wrong in rare last-ulp cases by design)",
                        [_NO_RESCALE, _NO_CORRECTION]),
     "scaled_pow2_branch": ("static-scale FP8 stores: where the tile's scales are all normal "
-                           "powers of two, the product by the reciprocal (exact there), the "
-                           "corrected quotient elsewhere; the same bits", [_POW2_BRANCH]),
+                           "powers of two, the product by the reciprocal (exact there); all "
+                           "normal, no subnormal rescale; the same bits", [_POW2_BRANCH]),
 }
 
 
