@@ -96,6 +96,19 @@ _POW2_BRANCH = Edit(KERNEL, _SCALED_RESCALE + _SCALED_QUOTIENT, """\
             else:
 """ + "".join(f"    {line}\n" for line in (_SCALED_RESCALE + _SCALED_QUOTIENT).splitlines()))
 
+# INT8 codes converted by PTX's cvt.rzi (libdevice float2int_rz), which gives NaN the code 0
+# by definition: the explicit NaN select stays for the interpreter only.
+_INT8_CVT = [Edit(QUANTIZE, """        z = tl.where(y != y, 0.0, z)  # before the truncating conversion, which NaN would break
+        tl.store(out_ptr + off, z.to(tl.int32).to(tl.int8), mask=mask)
+""", """        if INTERPRETER:
+            z = tl.where(y != y, 0.0, z)
+            codes = z.to(tl.int32)
+        else:
+            codes = libdevice.float2int_rz(z)
+        tl.store(out_ptr + off, codes.to(tl.int8), mask=mask)
+"""), Edit(QUANTIZE, "import triton.language as tl\n",
+            "import triton.language as tl\nfrom triton.language.extra import libdevice\n")]
+
 #: name -> (what it probes, edits).
 VARIANTS: dict[str, tuple[str, list[Edit]]] = {
     "skeleton": ("loads and stores only, no norm, rotation or trig: a lower bound for this "
@@ -115,6 +128,8 @@ VARIANTS: dict[str, tuple[str, list[Edit]]] = {
     "scaled_pow2_branch": ("static-scale FP8 stores: where the tile's scales are all normal "
                            "powers of two, the product by the reciprocal (exact there); all "
                            "normal, no subnormal rescale; the same bits", [_POW2_BRANCH]),
+    "int8_cvt_rz": ("INT8 codes by cvt.rzi (NaN gives 0 by PTX's definition) without the "
+                    "explicit NaN select; the same bits", _INT8_CVT),
 }
 
 
