@@ -96,9 +96,9 @@ class Quant:
             else:
                 kw.update(k_scale=self.scale, v_scale=self.scale)
         if self.q_out != "bf16":
-            kw.update(q_scale=self.scale, query_out=torch.empty(args[0].shape,
-                                                           dtype=DTYPES[self.q_out],
-                                                           device=args[0].device))
+            kw.update(q_scale=self.scale,
+                      query_out=torch.empty(args[0].shape, dtype=DTYPES[self.q_out],
+                                            device=args[0].device))
         return kw
 
     def dequantize(self, outputs: tuple, kw: dict) -> tuple:
