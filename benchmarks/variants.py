@@ -130,6 +130,8 @@ VARIANTS: dict[str, tuple[str, list[Edit]]] = {
                            "normal, no subnormal rescale; the same bits", [_POW2_BRANCH]),
     "int8_cvt_rz": ("INT8 codes by cvt.rzi (NaN gives 0 by PTX's definition) without the "
                     "explicit NaN select; the same bits", _INT8_CVT),
+    "quant_lean": ("scaled_pow2_branch and int8_cvt_rz together (one tree to test both)",
+                   [_POW2_BRANCH, *_INT8_CVT]),
 }
 
 
