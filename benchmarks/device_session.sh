@@ -75,6 +75,28 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 
+# The bench / tile_sweep flags of an output mode (docs/perf-notes.md, lead 6); fp8-pth-q8-cal is
+# fp8-pth-q8 at a static scale that is not a power of two, as calibrated ones are (lead 6 m).
+mode_flags() {
+  case $1 in
+    bf16) echo "" ;;
+    fp8) echo "--kv-dtype fp8" ;;
+    fp8-pth-q8) echo "--kv-dtype fp8 --kv-scales per-token-head --q-out fp8" ;;
+    fp8-pth-q8-cal) echo "--kv-dtype fp8 --kv-scales per-token-head --q-out fp8 --scale 0.0166" ;;
+    int8-pth) echo "--kv-dtype int8 --kv-scales per-token-head" ;;
+  esac
+}
+
+# Variants NAME...: each one's tree written under /tmp/v, the GPU tests of the op, quantised
+# outputs and appends run on the last one's; sets $kernels (production,NAME,...) for tile_sweep.
+variant_tests() {
+  python3 benchmarks/variants.py /tmp/v "$@" || return 1
+  PYTHONPATH=/tmp/v/${!#}/src${PYTHONPATH:+:$PYTHONPATH} timeout 240 python3 -m pytest -q \
+    -p no:cacheprovider -n 12 tests/test_per_token_head.py tests/test_fp8_outputs.py \
+    tests/test_append.py tests/test_qknorm_rope.py tests/test_gpu.py 2>&1 | tail -3
+  kernels=production; for name in "$@"; do kernels=$kernels,$name; done
+}
+
 case "${1:-tests}" in
   tests) python3 -m pytest -q tests/ -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -15 ;;
   suite) python3 -m qkrope bench --json "$OUT/bench.json" --plot "$OUT/bench.png" \
@@ -95,13 +117,8 @@ case "${1:-tests}" in
       --plot "$OUT/e2e.png" 2>&1 | tee "$OUT/e2e.md" | tail -30 ;;
   quant) # the quantised modes against bf16 outputs, one run each (~3 min in all)
     for layout in bhsd paged; do
-      # (fp8-pth-q8-cal: a static scale that is not a power of two, as calibrated ones;
-      # docs/perf-notes.md, lead 6 m)
       for mode in bf16 fp8 fp8-pth-q8 int8-pth fp8-pth-q8-cal; do
-        case $mode in bf16) f="";; fp8) f="--kv-dtype fp8";;
-          fp8-pth-q8) f="--kv-dtype fp8 --kv-scales per-token-head --q-out fp8";;
-          fp8-pth-q8-cal) f="--kv-dtype fp8 --kv-scales per-token-head --q-out fp8 --scale 0.0166";;
-          int8-pth) f="--kv-dtype int8 --kv-scales per-token-head";; esac
+        f=$(mode_flags $mode)
         # (one markdown file per layout: the device tool returns at most 8 files, so the step
         # leaves room for another step's in the same call)
         { echo "## $layout $mode"; echo
@@ -163,34 +180,20 @@ case "${1:-tests}" in
     # tests on the last variant's tree, then tile_sweep per mode (bf16 outputs first, for the
     # ratio): production and each variant at pick_config's tile and at narrower K/V tiles
     # (docs/perf-notes.md, lead 6 f), alternating in one process
-    shift; python3 benchmarks/variants.py /tmp/v "$@" || exit 1
-    last=${!#}
-    PYTHONPATH=/tmp/v/$last/src${PYTHONPATH:+:$PYTHONPATH} timeout 200 python3 -m pytest -q \
-      -p no:cacheprovider -n 12 tests/test_per_token_head.py tests/test_fp8_outputs.py \
-      tests/test_qknorm_rope.py tests/test_gpu.py 2>&1 | tail -3
-    kernels=production; for name in "$@"; do kernels=$kernels,$name; done
+    shift; variant_tests "$@" || exit 1
     rows=1,2,3,4,5,6,7,8,9,10,11,12,13,p1,p2,p3 tiles="pick 16,4,1,2 16,2,1,2 16,1,1,2"
     timeout 120 python3 benchmarks/tile_sweep.py --rows $rows --configs $tiles --rounds 3 \
       > "$OUT/tiles-bf16.md" 2>&1; echo "bf16 rc=$?"
     for mode in fp8-pth-q8 int8-pth; do
-      f="--kv-scales per-token-head --kv-dtype int8"
-      [ $mode = fp8-pth-q8 ] && f="--kv-scales per-token-head --kv-dtype fp8 --q-out fp8"
+      f=$(mode_flags $mode)
       timeout 240 python3 benchmarks/tile_sweep.py --rows $rows $f --rounds 3 \
         --configs $tiles --variants $kernels > "$OUT/tiles-$mode.md" 2>&1; echo "$mode rc=$?"
     done
     grep -h "^#" "$OUT"/tiles-*.md | cut -c1-400 ;;
   variants-modes) # (docs/perf-notes.md, lead 6 k)
-    shift; python3 benchmarks/variants.py /tmp/v "$@" || exit 1
-    last=${!#}
-    PYTHONPATH=/tmp/v/$last/src${PYTHONPATH:+:$PYTHONPATH} timeout 240 python3 -m pytest -q \
-      -p no:cacheprovider -n 12 tests/test_per_token_head.py tests/test_fp8_outputs.py \
-      tests/test_append.py tests/test_qknorm_rope.py tests/test_gpu.py 2>&1 | tail -3
-    kernels=production; for name in "$@"; do kernels=$kernels,$name; done
+    shift; variant_tests "$@" || exit 1
     for mode in bf16 fp8-pth-q8 int8-pth fp8-pth-q8-cal; do
-      case $mode in bf16) f="";;
-        fp8-pth-q8) f="--kv-scales per-token-head --kv-dtype fp8 --q-out fp8";;
-        fp8-pth-q8-cal) f="--kv-scales per-token-head --kv-dtype fp8 --q-out fp8 --scale 0.0166";;
-        int8-pth) f="--kv-scales per-token-head --kv-dtype int8";; esac
+      f=$(mode_flags $mode)
       timeout 150 python3 benchmarks/tile_sweep.py --rows 1,2,3,4,8,13,p1,p2,p3 $f \
         --configs pick --variants $kernels --rounds 5 > "$OUT/variants-$mode.md" 2>&1
       echo "$mode rc=$?"
@@ -200,9 +203,7 @@ case "${1:-tests}" in
     # ratio), candidates alternating in one process (docs/perf-notes.md, lead 6)
     shift; tiles="pick $*"; rows=1,2,3,4,5,6,7,8,9,10,11,12,13,p1,p2,p3
     for mode in bf16 fp8-pth-q8 int8-pth; do
-      case $mode in bf16) f="";;
-        fp8-pth-q8) f="--kv-dtype fp8 --kv-scales per-token-head --q-out fp8";;
-        int8-pth) f="--kv-dtype int8 --kv-scales per-token-head";; esac
+      f=$(mode_flags $mode)
       timeout 180 python3 benchmarks/tile_sweep.py --rows $rows $f --configs $tiles --rounds 3 \
         > "$OUT/tiles-$mode.md" 2>&1; echo "$mode rc=$?"
     done

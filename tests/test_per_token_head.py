@@ -157,9 +157,7 @@ def tile(request, monkeypatch):
     tile for these few tokens), or one row a program forced, so the interpreter runs the
     integer amax of one-row tiles too (quantize._token_head_amax)."""
     if request.param == "one_row":
-        one_row = lambda *a: launcher.TileConfig(1, 1, 1, 1)  # noqa: E731
-        one_row.cache_clear = lambda: None
-        monkeypatch.setattr(launcher, "pick_config", one_row)
+        monkeypatch.setattr(launcher, "pick_config", lambda *a: launcher.TileConfig(1, 1, 1, 1))
     return request.param
 
 
