@@ -23,7 +23,7 @@
 #                                                  # or the integration (qwen3-8b only: the
 #                                                  # others pass the 600 s a call may take)
 #   bash benchmarks/device_session.sh quant      # qkrope only, bf16 vs each quantised mode, both layouts (~3 min;
-#                                                  # one file per layout)
+#                                                  # one file per layout), then host_probe --modes
 #   bash benchmarks/device_session.sh tiles      # tile sweep on the mid-size workloads
 #   bash benchmarks/device_session.sh small-tiles # one head per program vs tiles, 1-64 tokens, 5 models
 #   bash benchmarks/device_session.sh trig       # trig cost: kernel variants trig_hw, no_trig
@@ -127,7 +127,10 @@ case "${1:-tests}" in
         cat /tmp/quant-run.md >> "$OUT/quant-$layout.md"
         echo "$layout $mode $(grep "^rc=" /tmp/quant-run.md)"; grep -E "Geometric" /tmp/quant-run.md
       done
-    done ;;
+    done
+    # host time per call, each mode against bf16 outputs in one process, runs alternating
+    timeout 120 python3 benchmarks/host_probe.py --rows 1,2,p1,p2 --calls 1000 \
+      --modes fp8,fp8-pth-q8,int8-pth 2>&1 | tee "$OUT/quant-host.md" ;;
   tiles) python3 benchmarks/tile_sweep.py --rows 3,4,6,8,10 \
            --configs pick 16,8,1,2 8,8,2,2 16,8,2,2 8,4,2,1 32,8,1,4 4,4,4,2 \
            --json "$OUT/tiles.json" 2>&1 | tee "$OUT/tiles.md" ;;

@@ -4,6 +4,7 @@ route) and the tool for the host lead of docs/perf-notes.md.
 
     python benchmarks/host_probe.py                    # 1-token decode (suite #1)
     python benchmarks/host_probe.py --rows 1,2,p1 --calls 2000
+    python benchmarks/host_probe.py --rows 1,p1 --modes fp8,fp8-pth-q8,int8-pth
 
 Per row, in one process: the public call with the native helpers (signature, output allocation
 and ``cuLaunchKernel`` from C++, csrc/fast_path.cpp; built first, ~20 s on a first run) and
@@ -12,7 +13,9 @@ Triton's public launch), with outputs preallocated and allocated; then the nativ
 one. Each figure is the bench's estimator (``host_times_beside_us``): ``--calls`` calls in 10
 runs alternating with runs of ``x.add_(1)``; µs is the median run, × add_ the median ratio of a
 run to the add_ run just before it (a shared host drifts by 1.5x within seconds: only ratios
-measured side by side compare across runs).
+measured side by side compare across runs). ``--modes``: instead, each quantised output mode's
+native call (outputs and scale caches preallocated) against the bf16-output call of the same
+row, runs alternating between the two (issue 26 asks the host time unchanged within 10%).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import parse_rows, require_cuda, row_inputs, row_op, row_options  # noqa: E402
+from qkrope.bench.quant import Quant  # noqa: E402
 from qkrope.bench.timing import host_times_beside_us  # noqa: E402
 from qkrope.ops import _native  # noqa: E402
 from qkrope.ops.qknorm_rope.launcher import LAUNCHER  # noqa: E402
@@ -64,11 +68,45 @@ def native_parts(row, args, q_out, k_out) -> list:
     ]
 
 
+#: ``--modes``: the quantised output modes by the names device_session.sh gives them.
+MODES = {"fp8": Quant("fp8"), "fp8-q8": Quant("fp8", q_out="fp8"),
+         "fp8-pth": Quant("fp8", "per-token-head"),
+         "fp8-pth-q8": Quant("fp8", "per-token-head", "fp8"),
+         "int8-pth": Quant("int8", "per-token-head")}
+
+
+def compare_modes(rows, modes: list[str], calls: int) -> None:
+    """Each mode's native call against the bf16-output call of its row, alternating."""
+    print("| row | mode | µs | bf16 µs | × bf16 |")
+    print("|---|---|---|---|---|")
+    for row in rows:
+        a = row_inputs(row, device="cuda", cache_capacity=None if row.paged else
+                       row.workload.cache_len + row.workload.seq_len + 64)
+        q_out, k_out = torch.empty_like(a[0]), torch.empty_like(a[1])
+        op = row_op(row)
+
+        def bf16():
+            op(*a, query_out=q_out, key_out=k_out)
+        for name in modes:
+            quant = MODES[name]
+            qa = quant.prepare(a)
+            kw = {"query_out": q_out, **quant.call_kwargs(qa)}
+
+            def call():
+                op(*qa, key_out=k_out, **kw)
+            us, ref, ratio = host_times_beside_us(call, bf16, calls=calls)
+            print(f"| {row.label} | {name} | {us:.2f} | {ref:.2f} | {ratio:.3f} |", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--rows", default="1", help="suite numbers 1-13, paged p1-p3, or S:C:B")
     p.add_argument("--calls", type=int, default=3000, help="calls per figure (10 runs)")
+    p.add_argument("--modes", help=f"of {', '.join(MODES)}: each against the bf16 output")
     args = p.parse_args()
+    modes = args.modes.split(",") if args.modes else []
+    if set(modes) - set(MODES):
+        p.error(f"--modes: of {', '.join(MODES)}, got {args.modes!r}")
     try:
         rows = parse_rows(args.rows)
     except ValueError as e:
@@ -88,6 +126,8 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton "
           f"{triton.__version__} | native helpers: {_native.status()} (load {build_s:.1f} s) | "
           f"{args.calls} calls per figure in 10 runs beside x.add_(1)")
+    if modes:
+        return compare_modes(rows, modes, args.calls)
     add_us, _ = measure(add)
     trivial = measure(lambda: trivial_kernel[(1,)](x, 16, BLOCK=16))
     print("| row | what | native µs | × add_ | QKROPE_NATIVE=0 µs | × add_ |")
