@@ -68,10 +68,9 @@ def native_parts(row, args, q_out, k_out) -> list:
     ]
 
 
-#: ``--modes``: the quantised output modes by the names device_session.sh gives them.
-MODES = {"fp8": Quant("fp8"), "fp8-q8": Quant("fp8", q_out="fp8"),
-         "fp8-pth": Quant("fp8", "per-token-head"),
-         "fp8-pth-q8": Quant("fp8", "per-token-head", "fp8"),
+#: ``--modes``: the quantised output modes of device_session.sh's ``mode_flags`` (the static
+#: scales' value moves no host work: fp8-pth-q8-cal is fp8-pth-q8 here).
+MODES = {"fp8": Quant("fp8"), "fp8-pth-q8": Quant("fp8", "per-token-head", "fp8"),
          "int8-pth": Quant("int8", "per-token-head")}
 
 
