@@ -92,10 +92,14 @@ def main() -> None:
             q = ctx.Queue()
             proc = ctx.Process(target=worker, args=(v, args.model, args.batch, args.steps, q))
             proc.start()
-            out = q.get(timeout=400)
-            proc.join(60)
-            res[v].append(out)
+            try:  # (bounded: a worker that hangs or dies is killed, never waited on)
+                out = q.get(timeout=400)
+            finally:
+                proc.join(60)
+                if proc.is_alive():
+                    proc.kill()
             med = [statistics.median(c) for c in zip(*out[1])]
+            res[v].append((med, out[2]))
             print(f"round {r} {v}: host {med[0]:.1f} tree {med[1]:.1f} node {med[2]:.1f} "
                   f"replay {med[3]:.1f} wall {med[4]:.1f} guards {out[2]}", flush=True)
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
@@ -105,9 +109,7 @@ def main() -> None:
           "replay (cudaGraphLaunch) | guards alone (count) | wall |")
     print("|---|---|---|---|---|---|---|---|")
     for v in ("stock", "patched"):
-        for out in res[v]:
-            m = [statistics.median(c) for c in zip(*out[1])]
-            g = out[2]
+        for m, g in res[v]:
             print(f"| {v} | {m[0]:.1f} | {m[0] - m[1]:.1f} | {m[1] - m[2]:.1f} | "
                   f"{m[2] - m[3]:.1f} | {m[3]:.1f} | {g[1]:.1f} ({g[0]}) | {m[4]:.1f} |")
 
