@@ -28,8 +28,6 @@
 #   bash benchmarks/device_session.sh small-tiles # one head per program vs tiles, 1-64 tokens, 5 models
 #   bash benchmarks/device_session.sh trig       # trig cost: kernel variants trig_hw, no_trig
 #   bash benchmarks/device_session.sh host       # host µs per call: native helpers vs off
-#   bash benchmarks/device_session.sh ro-host [PRESET [BATCH]] # ro_host_probe.py: where a
-#                                                  # replayed decode step's host part goes (~3 min)
 #   bash benchmarks/device_session.sh accuracy   # kernel vs reference vs exact fp64
 #   bash benchmarks/device_session.sh ab REV     # kernel_ab.py: REV against the tree (needs .git)
 #   bash benchmarks/device_session.sh ab-model REV MODEL # the same on MODEL's heads and options
@@ -140,9 +138,6 @@ case "${1:-tests}" in
            --variants production,trig_hw,no_trig --rounds 3 \
            --json "$OUT/trig.json" 2>&1 | tee "$OUT/trig.md" ;;
   host)  python3 benchmarks/host_probe.py --rows 1,2 2>&1 | tee "$OUT/host.md" ;;
-  ro-host) # docs/perf-notes.md, lead 5 g: a replayed decode step's host part, split
-    timeout 300 python3 benchmarks/ro_host_probe.py --model "${2:-qwen3-8b}" --batch "${3:-8}" \
-      2>&1 | grep -v Warning | tee "$OUT/ro-host.md" | tail -12 ;;
   python) QKROPE_NATIVE=0 python3 -m pytest -q -p no:cacheprovider tests/test_launcher.py \
             tests/test_gpu.py tests/test_compile.py 2>&1 | tee "$OUT/pytest-python.log" | tail -5 ;;
   accuracy) python3 benchmarks/accuracy.py 2>&1 | tee "$OUT/accuracy.md" ;;
