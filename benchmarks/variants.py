@@ -15,9 +15,10 @@ breaks a variant loudly instead of silently timing the production kernel
 (tests/test_variants.py). Variants that were adopted or refuted (rstd_first, two_q_heads,
 trig_first_single_row; the eviction hints of docs/design.md §Tile rule: commit bdd73a8;
 partial_rotary_freqs, fma_division, satfinite_store, fp8_stores, pth_amax_max, int8_no_clamp,
-pth_lean, pth_early, pth_lean_early, pth_fma_quotient, pth_newton_reciprocal, pth_int_amax:
-adopted, in git before the commit that adopted them; q8_store8, kv_first: refuted,
-docs/perf-notes.md leads 6 g and 6 k) are in git history. What each variant measured:
+pth_lean, pth_early, pth_lean_early, pth_fma_quotient, pth_newton_reciprocal, pth_int_amax,
+int8_cvt_rz: adopted, in git before the commit that adopted them; q8_store8, kv_first:
+refuted, docs/perf-notes.md leads 6 g and 6 k; quant_lean, scaled_pow2_branch with
+int8_cvt_rz: mixed, lead 6 m) are in git history. What each variant measured:
 docs/design.md and docs/perf-notes.md.
 
     python benchmarks/variants.py /tmp/v [NAME ...]     # writes /tmp/v/<name>/src, prints it
@@ -96,19 +97,6 @@ _POW2_BRANCH = Edit(KERNEL, _SCALED_RESCALE + _SCALED_QUOTIENT, """\
             else:
 """ + "".join(f"    {line}\n" for line in (_SCALED_RESCALE + _SCALED_QUOTIENT).splitlines()))
 
-# INT8 codes converted by PTX's cvt.rzi (libdevice float2int_rz), which gives NaN the code 0
-# by definition: the explicit NaN select stays for the interpreter only.
-_INT8_CVT = [Edit(QUANTIZE, """        z = tl.where(y != y, 0.0, z)  # before the truncating conversion, which NaN would break
-        tl.store(out_ptr + off, z.to(tl.int32).to(tl.int8), mask=mask)
-""", """        if INTERPRETER:
-            z = tl.where(y != y, 0.0, z)
-            codes = z.to(tl.int32)
-        else:
-            codes = libdevice.float2int_rz(z)
-        tl.store(out_ptr + off, codes.to(tl.int8), mask=mask)
-"""), Edit(QUANTIZE, "import triton.language as tl\n",
-            "import triton.language as tl\nfrom triton.language.extra import libdevice\n")]
-
 #: name -> (what it probes, edits).
 VARIANTS: dict[str, tuple[str, list[Edit]]] = {
     "skeleton": ("loads and stores only, no norm, rotation or trig: a lower bound for this "
@@ -128,10 +116,6 @@ VARIANTS: dict[str, tuple[str, list[Edit]]] = {
     "scaled_pow2_branch": ("static-scale FP8 stores: where the tile's scales are all normal "
                            "powers of two, the product by the reciprocal (exact there); all "
                            "normal, no subnormal rescale; the same bits", [_POW2_BRANCH]),
-    "int8_cvt_rz": ("INT8 codes by cvt.rzi (NaN gives 0 by PTX's definition) without the "
-                    "explicit NaN select; the same bits", _INT8_CVT),
-    "quant_lean": ("scaled_pow2_branch and int8_cvt_rz together (one tree to test both)",
-                   [_POW2_BRANCH, *_INT8_CVT]),
 }
 
 

@@ -90,6 +90,26 @@ def test_native_signature_rejects_what_the_checked_path_must_see(native):
         assert native(t, w) is not None
 
 
+def test_a_float_stands_for_the_scale_tensor_the_checks_keep_for_it(native):
+    """A Python float scale reaches the fast path as it is: the signature packs the tensor that
+    checks.scalar_on keeps for its value on the first argument's device (the same key and
+    address as that tensor), and gives None for any other float, so the checks see it."""
+    from qkrope.ops.qknorm_rope import checks
+
+    q = torch.ones(2, 3)
+    value = 0.0078125 + 2.0 ** -40  # a value no other test keeps
+    assert native(q, value) is None  # not kept yet
+    kept = checks.scalar_on(value, q.device)
+    assert checks.scalar_on(value, q.device) is kept
+    assert native(q, value) == native(q, kept)
+    assert native(q, value)[1] == [q.data_ptr(), kept.data_ptr()]
+    assert native(q, value, None, value) == native(q, kept, None, kept)
+    assert native(q, value + 2.0 ** -30) is None  # another value
+    assert native(q, float("nan")) is None and native(q, 0.0) is None
+    assert native(value, q) is None  # the device comes from a tensor first
+    assert native(torch.ones(2, 3, device="meta"), value) is None  # another device
+
+
 @pytest.mark.parametrize("given", ["none", "query_out", "both"])
 def test_native_outputs_match_python(module, given):
     v = variants()

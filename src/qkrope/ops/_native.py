@@ -53,8 +53,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["signature_fn", "outputs_fn", "module", "enabled", "set_enabled", "start_build",
-           "poll", "load", "build", "status", "cache_path", "describe"]
+__all__ = ["signature_fn", "outputs_fn", "module", "keep_scalar", "enabled", "set_enabled",
+           "start_build", "poll", "load", "build", "status", "cache_path", "describe"]
 
 #: Seconds between two looks at a running build from the hot path.
 POLL_INTERVAL = 0.5
@@ -69,7 +69,8 @@ _SOURCES = tuple(Path(__file__).with_name("csrc") / f
                  for f in ("fast_path.cpp", "launch_plan.cpp", "op_route.cpp"))
 _CFLAGS = ("-O2",)
 _LDFLAGS = ("-ldl",)
-_FUNCTIONS = ("signature", "outputs", "bump", "make_launch", "launch", "serve_op", "add_plan")
+_FUNCTIONS = ("signature", "outputs", "bump", "make_launch", "launch", "serve_op", "add_plan",
+              "keep_scalar")
 
 
 def _fresh_state() -> dict:
@@ -82,6 +83,8 @@ def _fresh_state() -> dict:
 
 
 _state = _fresh_state()
+# What keep_scalar was told, for a module loaded later (bounded by the checks' own cache size).
+_KEPT: list = []
 # Guards starting a build and installing the module; never held while waiting for a build.
 _lock = threading.Lock()
 
@@ -106,6 +109,15 @@ def outputs_fn():
 def bump_fn():
     """The native ``bump(written, inputs, outputs)`` once loaded and enabled, else None."""
     return _state["bump"] if _state["enabled"] else None
+
+
+def keep_scalar(value: float, tensor: torch.Tensor) -> None:
+    """From now on a Python float ``value`` in a signature call on ``tensor``'s device stands for
+    ``tensor`` (a scale the checks keep for the process's life, ``checks.scalar_on``): the
+    loaded module learns it now, one loaded later when it loads."""
+    _KEPT.append((value, tensor))
+    if _state["module"] is not None:
+        _state["module"].keep_scalar(value, tensor)
 
 
 def module():
@@ -317,6 +329,8 @@ def _load_cached() -> str | None:
         return f"{path} does not load: {_first_line(e)}"
     # The module before the functions: a plan made from a native key can launch natively.
     _state["module"] = mod
+    for value, tensor in _KEPT:  # after the module (keep_scalar's own calls then reach it too;
+        mod.keep_scalar(value, tensor)  # twice is once), before the signature that reads them
     _state["outputs"] = mod.outputs
     _state["bump"] = mod.bump
     _state["signature"] = mod.signature

@@ -5,7 +5,8 @@
 // signature(rules, *args) reads, for each argument, what Triton specialises on and what the ops'
 // checks look at -- dtype, device, sizes, strides, 16-byte alignment of the data pointer --
 // straight from the TensorImpl, and packs them into one bytes object (the lookup key), plus the
-// data addresses the launch passes: one call instead of ~60 Python attribute reads. The key is a
+// data addresses the launch passes: one call instead of ~60 Python attribute reads. A Python
+// float stands for the scale tensor kept for its value (keep_scalar), or gives None. The key is a
 // function of shapes and strides, not of addresses, so the memory-overlap rule (../_overlap.py,
 // `rules` names the written arguments) runs here on every call. Anything but a plain
 // torch.Tensor / nn.Parameter (a subclass, a non-tensor), a tensor without strides, a tensor that
@@ -200,7 +201,65 @@ bool pack_tensor(const at::Tensor& t, int64_t* buf, size_t& n, size_t cap, View&
 constexpr size_t kKeyWords = 512;   // int64 words: 6 + 2 * ndim per tensor, far above 16 tensors
 constexpr Py_ssize_t kMaxTensors = 32;
 
+// Python float scales: the float32 [1] device tensor kept for each (value, device) by the ops'
+// checks (checks.scalar_on, through _native.keep_scalar), never released, as there. A float
+// argument of a call stands for the one kept for its value on the first argument's device, so
+// its key and address are that tensor's: turning it into the tensor in Python cost ~0.4 us a
+// scale (docs/design.md, "Native launch route").
+struct ScalarKey {
+  uint64_t bits;
+  int type, index;
+  bool operator==(const ScalarKey& o) const {
+    return bits == o.bits && type == o.type && index == o.index;
+  }
+};
+struct ScalarKeyHash {
+  size_t operator()(const ScalarKey& k) const {
+    return std::hash<uint64_t>()(k.bits) ^ (static_cast<size_t>(k.type) << 8) ^
+           static_cast<size_t>(k.index);
+  }
+};
+// Touched with the GIL held only (every caller is a Python call).
+std::unordered_map<ScalarKey, PyObject*, ScalarKeyHash>& kept_scalars() {
+  static auto* map = new std::unordered_map<ScalarKey, PyObject*, ScalarKeyHash>();
+  return *map;  // never destroyed: its tensors outlive the interpreter's teardown order
+}
+
+ScalarKey scalar_key(double value, const c10::Device& device) {
+  uint64_t bits;
+  std::memcpy(&bits, &value, sizeof bits);
+  return {bits, static_cast<int>(device.type()), static_cast<int>(device.index())};
+}
+
+// The tensor kept for float ``obj`` on ``first``'s device (a borrowed reference), or nullptr.
+PyObject* kept_scalar(PyObject* obj, PyObject* first) {
+  if (!THPVariable_CheckExact(first)) return nullptr;
+  const auto& map = kept_scalars();
+  if (map.empty()) return nullptr;
+  const auto it = map.find(scalar_key(PyFloat_AS_DOUBLE(obj), THPVariable_Unpack(first).device()));
+  return it == map.end() ? nullptr : it->second;
+}
+
 }  // namespace
+
+// keep_scalar(value: float, tensor): the tensor a float ``value`` stands for in signature()'s
+// calls on the tensor's device, kept (a reference held) for the life of the process.
+static PyObject* qk_keep_scalar(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (nargs != 2 || !PyFloat_CheckExact(args[0]) || !THPVariable_CheckExact(args[1])) {
+    PyErr_SetString(PyExc_TypeError, "keep_scalar(value: float, tensor: torch.Tensor)");
+    return nullptr;
+  }
+  const ScalarKey key = scalar_key(PyFloat_AS_DOUBLE(args[0]),
+                                   THPVariable_Unpack(args[1]).device());
+  auto& map = kept_scalars();
+  if (map.find(key) == map.end()) {
+    Py_INCREF(args[1]);
+    map.emplace(key, args[1]);
+  }
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
 
 // signature(rules, *tensors): see the top of this file; rules as in disjoint(). None also when
 // a written tensor may overlap another (the checked path reports which).
@@ -226,6 +285,7 @@ static PyObject* qk_signature(PyObject*, PyObject* const* all_args, Py_ssize_t a
         PyList_SET_ITEM(addrs.get(), i, Py_None);
         continue;
       }
+      if (PyFloat_CheckExact(obj) && !(obj = kept_scalar(obj, args[0]))) Py_RETURN_NONE;
       if (!THPVariable_CheckExact(obj)) Py_RETURN_NONE;
       const at::Tensor& t = THPVariable_Unpack(obj);
       if (!pack_tensor(t, buf, n, kKeyWords, views[i])) Py_RETURN_NONE;

@@ -267,6 +267,9 @@ static PyMethodDef methods[] = {
      METH_FASTCALL, "outputs(like_1..like_n, given_1..given_n) -> (out_1..out_n, int_1..int_n)"},
     {"bump", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(qk_bump)),
      METH_FASTCALL, "bump(written: bytes, inputs, outputs)"},
+    {"keep_scalar",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(qk_keep_scalar)),
+     METH_FASTCALL, "keep_scalar(value: float, tensor): what a float stands for in signature()"},
     {"make_launch", qk_make_launch, METH_VARARGS,
      "make_launch(function, gx, gy, gz, block, shared, device, kinds, values, varying"
      "[, check_driver]) -> plan | None"},

@@ -21,9 +21,8 @@ from __future__ import annotations
 import torch
 
 from .checks import (
-    ACTIVATION_DTYPES, FP32_MAX, FP32_TINY, TABLE_DTYPES, Options, check_bhsd, check_cos_sin,
-    check_out, check_paged, check_scales, dtype_name, head_count, refuse_autograd, scalar_on,
-    tensor_arg,
+    ACTIVATION_DTYPES, TABLE_DTYPES, Options, check_bhsd, check_cos_sin, check_out, check_paged,
+    check_scales, dtype_name, head_count, refuse_autograd, tensor_arg,
 )
 from .launcher import APPEND_LAUNCHER, COS_SIN_LAUNCHER, LAUNCHER, launch_cos_sin
 from .registration import options_key, qknorm_rope, qknorm_rope_append
@@ -150,13 +149,13 @@ def fused_rope_with_qk_norm_and_kv_cache_update(
     """
     opts = _fast_key("bhsd", rotary_style, rotary_dim, norm_weight_offset, norm_rounding,
                      cos_sin_scale, mrope_section, mrope_interleaved, query, append)
-    if inplace and not validate and not torch.compiler.is_compiling() and _plain(opts) and (
-            scales := _NO_SCALES if k_scale is None and v_scale is None and q_scale is None
-            else _fast_scales((k_scale, v_scale, q_scale), query)) is not None:
+    # (Python float scales go to the native signature as they are: docs/design.md, "Native
+    # launch route".)
+    if inplace and not validate and not torch.compiler.is_compiling() and _plain(opts):
         out = (APPEND_LAUNCHER if append else LAUNCHER).fast_call(
             opts, (query, key, value, position_ids, key_cache, value_cache, cache_position,
-                   q_norm_weight, k_norm_weight, inv_freq, *scales, k_scale_cache,
-                   v_scale_cache), (query_out, key_out), (rms_norm_eps,))
+                   q_norm_weight, k_norm_weight, inv_freq, k_scale, v_scale, q_scale,
+                   k_scale_cache, v_scale_cache), (query_out, key_out), (rms_norm_eps,))
         if out is not None:
             return (*out, key_cache, value_cache)
     checked = check_bhsd(query, key, value, position_ids, key_cache, value_cache,
@@ -248,12 +247,10 @@ def fused_qk_norm_rope_paged(
     opts = _fast_key(cache_layout, rotary_style, rotary_dim, norm_weight_offset, norm_rounding,
                      cos_sin_scale, mrope_section, mrope_interleaved, query, False)
     if not validate and not torch.compiler.is_compiling() and cache_layout in _PAGED and \
-            _plain(opts) and (
-            scales := _NO_SCALES if k_scale is None and v_scale is None and q_scale is None
-            else _fast_scales((k_scale, v_scale, q_scale), query)) is not None:
+            _plain(opts):
         out = LAUNCHER.fast_call(opts, (query, key, value, positions, key_cache, value_cache,
                                         slot_mapping, q_norm_weight, k_norm_weight, inv_freq,
-                                        *scales, k_scale_cache, v_scale_cache),
+                                        k_scale, v_scale, q_scale, k_scale_cache, v_scale_cache),
                                  (query_out, key_out), (rms_norm_eps,))
         if out is not None:
             return out
@@ -319,23 +316,6 @@ def _plain(opts: tuple) -> bool:
             type(append) is bool and
             (section is None or (type(section) is tuple and all(type(x) is int
                                                                 for x in section))))
-
-
-_NO_SCALES = (None, None, None)
-
-
-def _fast_scales(scales, query):
-    """The scales as the fast path passes them (a Python float as its cached device tensor),
-    or None where only the checked path may judge them."""
-    out = []
-    for s in scales:
-        if s is None or type(s) is torch.Tensor:
-            out.append(s)
-        elif type(s) is float and FP32_TINY <= s <= FP32_MAX:  # else judged when checked
-            out.append(scalar_on(s, query.device))
-        else:
-            return None
-    return out
 
 
 _SCALE_NAMES = ("k_scale", "v_scale", "q_scale")

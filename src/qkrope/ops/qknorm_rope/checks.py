@@ -17,6 +17,7 @@ from typing import NamedTuple
 import torch
 
 from ..._interpret import interpreting
+from .. import _native
 from .._overlap import check_disjoint
 
 __all__ = ["HEAD_DIMS", "ACTIVATION_DTYPES", "FP8_CACHE_DTYPES", "INDEX_DTYPES", "FP32_MAX",
@@ -322,6 +323,7 @@ def scalar_on(value: float, device: torch.device) -> torch.Tensor:
         if len(_SCALARS) < _SCALARS_MAX and not (
                 device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             _SCALARS[value, device] = t
+            _native.keep_scalar(value, t)  # the fast path's signature takes the float itself
     return t
 
 

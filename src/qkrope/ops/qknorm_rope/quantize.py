@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 # Triton's own max combine where it has one (the interpreter reduces it with numpy).
 _max_combine = getattr(tl.standard, "_elementwise_max", tl.maximum)
@@ -73,8 +74,11 @@ def _store_codes(out_ptr, off, y, mask, INTERPRETER: tl.constexpr, SAT_CVT: tl.c
     into [-127, 127]; docs/design.md, "Per-token-head scales"): left out."""
     if out_ptr.dtype.element_ty == tl.int8:
         z = tl.where(y >= 0, y + 0.5, y - 0.5)
-        z = tl.where(y != y, 0.0, z)  # before the truncating conversion, which NaN would break
-        tl.store(out_ptr + off, z.to(tl.int32).to(tl.int8), mask=mask)
+        if INTERPRETER:  # numpy's truncating cast turns NaN into a number: 0 selected first
+            codes = tl.where(y != y, 0.0, z).to(tl.int32)
+        else:  # PTX cvt.rzi gives NaN 0 (docs/design.md, "Per-token-head scales")
+            codes = libdevice.float2int_rz(z)
+        tl.store(out_ptr + off, codes.to(tl.int8), mask=mask)
     else:
         _store_fp8(out_ptr, off, y, mask, INTERPRETER, SAT_CVT)
 
