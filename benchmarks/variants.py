@@ -97,6 +97,17 @@ _POW2_BRANCH = Edit(KERNEL, _SCALED_RESCALE + _SCALED_QUOTIENT, """\
             else:
 """ + "".join(f"    {line}\n" for line in (_SCALED_RESCALE + _SCALED_QUOTIENT).splitlines()))
 
+# Two paths only: all the tile's scales normal powers of two, the bare product; else the
+# production quotient as it is (for a calibrated scale, production's code plus one uniform
+# test: quant_lean's three paths read 3-5% slower there, docs/perf-notes.md lead 6 m).
+_POW2_ONLY = Edit(KERNEL, _SCALED_RESCALE + _SCALED_QUOTIENT, """\
+            sb = scale.to(tl.int32, bitcast=True)
+            odd = tl.max(tl.where(((sb & 0x7FFFFF) == 0) & ((sb & 0x7F800000) != 0), 0, 1))
+            if odd == 0:
+                q = x * tl.math.div_rn(1.0, scale)
+            else:
+""" + "".join(f"    {line}\n" for line in (_SCALED_RESCALE + _SCALED_QUOTIENT).splitlines()))
+
 #: name -> (what it probes, edits).
 VARIANTS: dict[str, tuple[str, list[Edit]]] = {
     "skeleton": ("loads and stores only, no norm, rotation or trig: a lower bound for this "
@@ -116,6 +127,9 @@ VARIANTS: dict[str, tuple[str, list[Edit]]] = {
     "scaled_pow2_branch": ("static-scale FP8 stores: where the tile's scales are all normal "
                            "powers of two, the product by the reciprocal (exact there); all "
                            "normal, no subnormal rescale; the same bits", [_POW2_BRANCH]),
+    "scaled_pow2_only": ("static-scale FP8 stores: where the tile's scales are all normal "
+                         "powers of two, the product by the reciprocal; else production's "
+                         "quotient; the same bits", [_POW2_ONLY]),
 }
 
 
