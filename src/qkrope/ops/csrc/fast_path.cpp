@@ -165,8 +165,12 @@ bool disjoint(const char* rules, Py_ssize_t len, const View* views, Py_ssize_t n
     const int w = static_cast<unsigned char>(rules[1 + i]);
     if (w >= n || !views[w].present) continue;
     if (self_overlaps(views[w])) return false;
+    const View& a = views[w];
     for (Py_ssize_t o = 0; o < n; ++o) {
-      if (o == w || !views[o].present) continue;
+      const View& b = views[o];
+      // Disjoint byte extents first, inline: most pairs end here (a call checks ~100).
+      if (o == w || !b.present || a.lo == a.hi || b.lo == b.hi || a.lo >= b.hi || b.lo >= a.hi)
+        continue;
       if (pair_ok(w, static_cast<int>(o)) && identical(views[w], views[o])) continue;
       if (may_overlap(views[w], views[o])) return false;
     }
