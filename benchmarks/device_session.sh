@@ -2,6 +2,7 @@
 # One device call per step (each step's output lands in $OUT, which the device tool returns).
 # Usage on the GPU machine, from the repo root:
 #   bash benchmarks/device_session.sh tests      # full GPU test run                 (~80 s)
+#   bash benchmarks/device_session.sh tests-x    # the same with pytest-xdist -n 12  (~2.5 min)
 #   bash benchmarks/device_session.sh python     # QKROPE_NATIVE=0: launcher + GPU tests
 #   bash benchmarks/device_session.sh faults     # kill mid-build, GPU tests x2 (-n 12), memcheck
 #   bash benchmarks/device_session.sh quick      # qkrope bench, qkrope only (~80 s)
@@ -99,6 +100,10 @@ variant_tests() {
 
 case "${1:-tests}" in
   tests) python3 -m pytest -q tests/ -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -15 ;;
+  tests-x) # the same, 12 workers (~2.5 min on an H100), failures and the summary printed
+    timeout 240 python3 -m pytest tests/ -q -p no:cacheprovider -n 12 > "$OUT/pytest.log" 2>&1
+    echo "pytest rc=$?"; grep -E "^FAILED|^ERROR" "$OUT/pytest.log" | head
+    tail -1 "$OUT/pytest.log" ;;
   suite) python3 -m qkrope bench --json "$OUT/bench.json" --plot "$OUT/bench.png" \
            2>&1 | tee "$OUT/bench.md" ;;
   paged) python3 -m qkrope bench --layout paged --impl qkrope,torch.compile,eager \
