@@ -207,3 +207,20 @@ def test_float_scale_tensors_are_kept_per_value_and_never_evicted(monkeypatch):
     late = 3.0 + checks._SCALARS_MAX
     assert checks.scalar_on(late, dev) is not checks.scalar_on(late, dev)
     assert checks.scalar_on(late, dev).item() == late
+
+
+def test_a_scale_tensor_made_under_a_tracing_mode_is_not_kept(monkeypatch):
+    # A fake tensor kept for a value would later stand for it in real calls (and, through
+    # _native.keep_scalar, in the fast path's signature): only plain tensors are kept.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from qkrope.ops.qknorm_rope import checks
+
+    monkeypatch.setattr(checks, "_SCALARS", {})
+    dev = torch.device("cpu")
+    with FakeTensorMode():
+        fake = checks.scalar_on(0.375, dev)
+    assert type(fake) is not torch.Tensor and not checks._SCALARS
+    real = checks.scalar_on(0.375, dev)
+    assert type(real) is torch.Tensor and real.item() == 0.375
+    assert checks.scalar_on(0.375, dev) is real

@@ -115,6 +115,7 @@ def keep_scalar(value: float, tensor: torch.Tensor) -> None:
     """From now on a Python float ``value`` in a signature call on ``tensor``'s device stands for
     ``tensor`` (a scale the checks keep for the process's life, ``checks.scalar_on``): the
     loaded module learns it now, one loaded later when it loads."""
+    value = float(value)
     _KEPT.append((value, tensor))
     if _state["module"] is not None:
         _state["module"].keep_scalar(value, tensor)

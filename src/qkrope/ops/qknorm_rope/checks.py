@@ -316,11 +316,13 @@ def scalar_on(value: float, device: torch.device) -> torch.Tensor:
     """``value`` as a float32 [1] tensor on ``device``, kept per value and device (a Python
     float scale costs no allocation per call). Never evicted: a CUDA graph that captured one
     reads it at every replay. One made during a capture is the capture's own (filled at every
-    replay), and past the cache's size one is made per call: neither is kept."""
+    replay), as is one made under a tracing mode (a fake tensor), and past the cache's size
+    one is made per call: none of these is kept."""
     t = _SCALARS.get((value, device))
     if t is None:
         t = torch.full((1,), value, dtype=torch.float32, device=device)
-        if len(_SCALARS) < _SCALARS_MAX and not (
+        # (A fake or traced tensor, made under a tracing mode, is that trace's own: not kept.)
+        if type(t) is torch.Tensor and len(_SCALARS) < _SCALARS_MAX and not (
                 device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             _SCALARS[value, device] = t
             _native.keep_scalar(value, t)  # the fast path's signature takes the float itself
