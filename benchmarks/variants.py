@@ -108,6 +108,29 @@ _POW2_ONLY = Edit(KERNEL, _SCALED_RESCALE + _SCALED_QUOTIENT, """\
             else:
 """ + "".join(f"    {line}\n" for line in (_SCALED_RESCALE + _SCALED_QUOTIENT).splitlines()))
 
+# The query's power-of-two test from one scalar load, no reduction over the tile: a per-tensor
+# q_scale (stride 0) that is a normal power of two takes the bare product, anything else
+# production's quotient (scaled_pow2_only's tile-wide max read 3-5% slower on mid-size rows at
+# a calibrated scale, docs/perf-notes.md lead 6 m).
+_Q_STORES = """        _store_scaled(q_out_ptr, qo_row + d_lo * stride_qo_d, q_lo, q_mask, q_sc, QO_SCALED,
+                      INTERPRETER, SAT_CVT)
+        _store_scaled(q_out_ptr, qo_row + d_hi * stride_qo_d, q_hi, q_mask, q_sc, QO_SCALED,
+                      INTERPRETER, SAT_CVT)
+"""
+_POW2_SCALAR = [
+    Edit(KERNEL, _Q_STORES, """        pow2 = False
+        if QO_SCALED and not INTERPRETER:
+            sb = tl.load(q_scale_ptr).to(tl.int32, bitcast=True)
+            pow2 = ((sb & 0x7FFFFF) == 0) & ((sb & 0x7F800000) != 0) & (stride_q_scale == 0)
+        if pow2:
+            r = tl.math.div_rn(1.0, q_sc)
+            _store_fp8(q_out_ptr, qo_row + d_lo * stride_qo_d, _f32(q_lo, INTERPRETER) * r, q_mask,
+                       INTERPRETER, SAT_CVT)
+            _store_fp8(q_out_ptr, qo_row + d_hi * stride_qo_d, _f32(q_hi, INTERPRETER) * r, q_mask,
+                       INTERPRETER, SAT_CVT)
+        else:
+""" + "".join(f"    {line}\n" for line in _Q_STORES.splitlines()))]
+
 #: name -> (what it probes, edits).
 VARIANTS: dict[str, tuple[str, list[Edit]]] = {
     "skeleton": ("loads and stores only, no norm, rotation or trig: a lower bound for this "
@@ -130,6 +153,10 @@ VARIANTS: dict[str, tuple[str, list[Edit]]] = {
     "scaled_pow2_only": ("static-scale FP8 stores: where the tile's scales are all normal "
                          "powers of two, the product by the reciprocal; else production's "
                          "quotient; the same bits", [_POW2_ONLY]),
+    "scaled_pow2_scalar": ("FP8 query stores: a per-tensor q_scale that is a normal power of "
+                           "two (one scalar load, no reduction) takes the product by the "
+                           "reciprocal; else production's quotient; the same bits",
+                           _POW2_SCALAR),
 }
 
 
