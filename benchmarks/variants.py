@@ -66,9 +66,9 @@ _TRIG_HW = [Edit(KERNEL, "cos = libdevice.cos(angle)", "cos = libdevice.fast_cos
 # The static-scale FP8 store's exact quotient (kernel._store_scaled): without the subnormal
 # scale's rescale, and without the FMA correction too (a plain product by the reciprocal).
 _SCALED_RESCALE = (
-    "            m = tl.where((scale > 0.0) & (scale < 1.1754943508222875e-38), "
-    "18446744073709551616.0,\n"
-    "                         1.0)\n"
+    "            a = tl.abs(scale)\n"
+    "            m = tl.where((a > 0.0) & (a < 1.1754943508222875e-38), 18446744073709551616.0, "
+    "1.0)\n"
     "            s = scale * m\n"
     "            x = x * m\n")
 _SCALED_QUOTIENT = """            r = tl.math.div_rn(1.0, s)
@@ -108,11 +108,30 @@ _POW2_ONLY = Edit(KERNEL, _SCALED_RESCALE + _SCALED_QUOTIENT, """\
             else:
 """ + "".join(f"    {line}\n" for line in (_SCALED_RESCALE + _SCALED_QUOTIENT).splitlines()))
 
+# The exact quotient without the final select (which holds q0 and q1 live together: 80 → 64
+# registers at tile (16, 8, 1, 2), docs/perf-notes.md lead 6 m): the scale's sign folded into m
+# (x * m / |s| * |m|), the product clamped to +-2**17 (past every FP8 maximum; NaN kept) so the
+# residual of an infinite x or quotient is not NaN, the residual negated (-0 keeps its sign),
+# an infinite scale's residual taken against 0. benchmarks/fp8_division_check.py --form
+# no-select: the same codes for every bf16 and fp16 x, inf and NaN included, and every scale
+# kind the cache tests hold.
+_NO_SELECT = Edit(KERNEL, _SCALED_RESCALE + _SCALED_QUOTIENT, """\
+            a = tl.abs(scale)
+            m = tl.where((a > 0.0) & (a < 1.1754943508222875e-38), 18446744073709551616.0, 1.0)
+            m = tl.where(scale.to(tl.int32, bitcast=True) < 0, -m, m)
+            s = a * tl.abs(m)
+            r = tl.math.div_rn(1.0, s)
+            x = x * m
+            q0 = tl.clamp(x * r, -131072.0, 131072.0, propagate_nan=tl.PropagateNan.ALL)
+            q = tl.fma(-tl.fma(q0, tl.where(s == float("inf"), 0.0, s), -x), r, q0)
+""")
+
 # The query's power-of-two test from one scalar load, no reduction over the tile: a per-tensor
 # q_scale (stride 0) that is a normal power of two takes the bare product, anything else
 # production's quotient (scaled_pow2_only's tile-wide max read 3-5% slower on mid-size rows at
 # a calibrated scale, docs/perf-notes.md lead 6 m).
-_Q_STORES = """        _store_scaled(q_out_ptr, qo_row + d_lo * stride_qo_d, q_lo, q_mask, q_sc, QO_SCALED,
+_Q_STORES = """\
+        _store_scaled(q_out_ptr, qo_row + d_lo * stride_qo_d, q_lo, q_mask, q_sc, QO_SCALED,
                       INTERPRETER, SAT_CVT)
         _store_scaled(q_out_ptr, qo_row + d_hi * stride_qo_d, q_hi, q_mask, q_sc, QO_SCALED,
                       INTERPRETER, SAT_CVT)
@@ -153,6 +172,9 @@ VARIANTS: dict[str, tuple[str, list[Edit]]] = {
     "scaled_pow2_only": ("static-scale FP8 stores: where the tile's scales are all normal "
                          "powers of two, the product by the reciprocal; else production's "
                          "quotient; the same bits", [_POW2_ONLY]),
+    "quotient_no_select": ("static-scale FP8 stores: the exact quotient without its final "
+                           "select (the sign in m, the product clamped, the residual negated); "
+                           "the same bits", [_NO_SELECT]),
     "scaled_pow2_scalar": ("FP8 query stores: a per-tensor q_scale that is a normal power of "
                            "two (one scalar load, no reduction) takes the product by the "
                            "reciprocal; else production's quotient; the same bits",

@@ -327,9 +327,9 @@ _SPECIAL_BF16 = (0x0000, 0x8000, 0xB8D2, 0x38D2, 0x7FC0, 0xFFC0, 0x7F80, 0xFF80,
                          ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("per_head", [False, True], ids=["per_tensor", "per_head"])
 @pytest.mark.parametrize("scale", [0.0, -0.0, -0.025, float("nan"), -float("nan"), float("inf"),
-                                   1e-40, 0.025],
+                                   1e-40, -1e-40, 0.025],
                          ids=["zero", "neg_zero", "negative", "nan", "neg_nan", "inf",
-                              "subnormal", "normal"])
+                              "subnormal", "neg_subnormal", "normal"])
 def test_fp8_cache_bytes_match_the_oracle_for_every_scale_value(scale, per_head, dtype):
     # Without validate a scale tensor's values are not checked (that would cost a host sync):
     # whatever they hold, the cache bytes are the oracle's, bit for bit. V's rows go to the

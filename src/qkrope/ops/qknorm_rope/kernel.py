@@ -362,8 +362,10 @@ def _store_scaled(out_ptr, off, vals, mask, scale, SCALED: tl.constexpr,
         else:
             # A subnormal scale's reciprocal overflows: its head divides x * 2**64 by
             # scale * 2**64 instead (both exact; an x that overflows saturates either way).
-            m = tl.where((scale > 0.0) & (scale < 1.1754943508222875e-38), 18446744073709551616.0,
-                         1.0)
+            # Either sign: a negative one is no more valid, but the oracle's bytes hold for every
+            # scale value (docs/design.md, "FP8 stores").
+            a = tl.abs(scale)
+            m = tl.where((a > 0.0) & (a < 1.1754943508222875e-38), 18446744073709551616.0, 1.0)
             s = scale * m
             x = x * m
             r = tl.math.div_rn(1.0, s)
