@@ -179,6 +179,8 @@ VARIANTS: dict[str, tuple[str, list[Edit]]] = {
                            "two (one scalar load, no reduction) takes the product by the "
                            "reciprocal; else production's quotient; the same bits",
                            _POW2_SCALAR),
+    "q8_lean": ("quotient_no_select and scaled_pow2_scalar together (the one in the quotient, "
+                "the other around it); the same bits", [_NO_SELECT, *_POW2_SCALAR]),
 }
 
 
