@@ -18,8 +18,8 @@ partial_rotary_freqs, fma_division, satfinite_store, fp8_stores, pth_amax_max, i
 pth_lean, pth_early, pth_lean_early, pth_fma_quotient, pth_newton_reciprocal, pth_int_amax,
 int8_cvt_rz: adopted, in git before the commit that adopted them; q8_store8, kv_first:
 refuted, docs/perf-notes.md leads 6 g and 6 k; quant_lean, scaled_pow2_branch with
-int8_cvt_rz: mixed, lead 6 m) are in git history. What each variant measured:
-docs/design.md and docs/perf-notes.md.
+int8_cvt_rz, scaled_pow2_only: mixed, not adopted, lead 6 m) are in git history. What each
+variant measured: docs/design.md and docs/perf-notes.md.
 
     python benchmarks/variants.py /tmp/v [NAME ...]     # writes /tmp/v/<name>/src, prints it
 """
@@ -81,33 +81,6 @@ _NO_CORRECTION = Edit(KERNEL, """            q1 = tl.fma(tl.fma(-q0, s, x), r, q
             q = tl.where(tl.abs(q1) > 0.0, q1, q0)
 """, "            q = q0\n")
 
-# Branches uniform over the program, by the tile's scales (the same bits on every path): all
-# normal powers of two, x * (1/s) is the quotient itself (the reciprocal exact, one rounding);
-# all normal, the corrected quotient without the subnormal scale's rescale; else as now.
-_POW2_BRANCH = Edit(KERNEL, _SCALED_RESCALE + _SCALED_QUOTIENT, """\
-            sb = scale.to(tl.int32, bitcast=True)
-            normal = (sb & 0x7F800000) != 0
-            odd = tl.max(tl.where(((sb & 0x7FFFFF) == 0) & normal, 0, 1))
-            tiny = tl.max(tl.where(normal, 0, 1))
-            if odd == 0:
-                q = x * tl.math.div_rn(1.0, scale)
-            elif tiny == 0:
-                s = scale
-""" + "".join(f"    {line}\n" for line in _SCALED_QUOTIENT.splitlines()) + """\
-            else:
-""" + "".join(f"    {line}\n" for line in (_SCALED_RESCALE + _SCALED_QUOTIENT).splitlines()))
-
-# Two paths only: all the tile's scales normal powers of two, the bare product; else the
-# production quotient as it is (for a calibrated scale, production's code plus one uniform
-# test: quant_lean's three paths read 3-5% slower there, docs/perf-notes.md lead 6 m).
-_POW2_ONLY = Edit(KERNEL, _SCALED_RESCALE + _SCALED_QUOTIENT, """\
-            sb = scale.to(tl.int32, bitcast=True)
-            odd = tl.max(tl.where(((sb & 0x7FFFFF) == 0) & ((sb & 0x7F800000) != 0), 0, 1))
-            if odd == 0:
-                q = x * tl.math.div_rn(1.0, scale)
-            else:
-""" + "".join(f"    {line}\n" for line in (_SCALED_RESCALE + _SCALED_QUOTIENT).splitlines()))
-
 # The exact quotient without the final select (which holds q0 and q1 live together: 80 → 64
 # registers at tile (16, 8, 1, 2), docs/perf-notes.md lead 6 m): the scale's sign folded into m
 # (x * m / |s| * |m|), the product clamped to +-2**17 (past every FP8 maximum; NaN kept) so the
@@ -166,12 +139,6 @@ VARIANTS: dict[str, tuple[str, list[Edit]]] = {
     "scaled_product": ("static-scale FP8 stores as x * RN(1/s), no rescale, no FMA correction: "
                        "what the exact quotient costs (wrong in rare last-ulp cases by design)",
                        [_NO_RESCALE, _NO_CORRECTION]),
-    "scaled_pow2_branch": ("static-scale FP8 stores: where the tile's scales are all normal "
-                           "powers of two, the product by the reciprocal (exact there); all "
-                           "normal, no subnormal rescale; the same bits", [_POW2_BRANCH]),
-    "scaled_pow2_only": ("static-scale FP8 stores: where the tile's scales are all normal "
-                         "powers of two, the product by the reciprocal; else production's "
-                         "quotient; the same bits", [_POW2_ONLY]),
     "quotient_no_select": ("static-scale FP8 stores: the exact quotient without its final "
                            "select (the sign in m, the product clamped, the residual negated); "
                            "the same bits", [_NO_SELECT]),
