@@ -45,10 +45,10 @@
 #                                                  # production and each variant alternating,
 #                                                  # in bf16, fp8-pth-q8, int8-pth and
 #                                                  # fp8-pth-q8 at a scale not a power of two
-#   bash benchmarks/device_session.sh variants-q8 NAME... # FP8-query variants: their tree's
-#                                                  # FP8-output and op GPU tests, then
+#   bash benchmarks/device_session.sh variants-q8 NAME... # FP8-query variants: the last
+#                                                  # one's tree's GPU tests (variant_tests), then
 #                                                  # tile_sweep of fp8-pth-q8 at 1/64 and 0.0166
-#                                                  # (~3 min)
+#                                                  # (~4 min)
 #   bash benchmarks/device_session.sh quant-tiles HQ,HKV,T,WARPS... # tile_sweep: bf16, fp8-pth-q8,
 #                                                  # int8-pth at pick_config's tile and each
 #                                                  # given one, alternating (~4 min)
@@ -211,13 +211,10 @@ case "${1:-tests}" in
       echo "$mode rc=$?"
     done
     grep -h "^#\|^|" "$OUT"/variants-*.md | cut -c1-300 ;;
-  variants-q8) # FP8-query variants (docs/perf-notes.md, lead 6 m): the FP8-output and op GPU
-    # tests on the last one's tree, then tile_sweep of fp8-pth-q8 at 1/64 and at 0.0166,
-    # production and each variant alternating (~3 min)
-    shift; python3 benchmarks/variants.py /tmp/v "$@" >/dev/null || exit 1
-    PYTHONPATH=/tmp/v/${!#}/src${PYTHONPATH:+:$PYTHONPATH} timeout 150 python3 -m pytest -q \
-      -p no:cacheprovider -n 12 tests/test_fp8_outputs.py tests/test_qknorm_rope.py 2>&1 | tail -2
-    kernels=production; for name in "$@"; do kernels=$kernels,$name; done
+  variants-q8) # FP8-query variants (docs/perf-notes.md, lead 6 m): variant_tests on the last
+    # one's tree, then tile_sweep of fp8-pth-q8 at 1/64 and at 0.0166, production and each
+    # variant alternating (~4 min)
+    shift; variant_tests "$@" || exit 1
     for mode in fp8-pth-q8 fp8-pth-q8-cal; do
       timeout 120 python3 benchmarks/tile_sweep.py --rows 3,4,8,13,p1,p2,p3 $(mode_flags $mode) \
         --configs pick --variants $kernels --rounds 3 > "$OUT/variants-$mode.md" 2>&1
