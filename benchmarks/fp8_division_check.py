@@ -8,13 +8,13 @@ unchecked: +-0, negative, +-inf, NaN, subnormal of either sign, huge), is
     q = q1 if |q1| > 0 else q0
 
 stored as the same e4m3 and e5m2 codes as the IEEE quotient RN(x / s) (spec.md R4: saturate to
-+-448, nearest even, every NaN one code)? ``--form no-select`` checks instead the select-free
-form of variant ``quotient_no_select`` (benchmarks/variants.py): the sign of s folded into m,
-s' = |s| * |m|, q0 clamped to +-2**17 with NaN kept, q = fma(-fma(q0, s'', -x'), r, q0) with
-s'' = 0 where s' is inf. The FMAs are emulated exactly in float64 (products of two fp32 are
-exact there; the sum is split by TwoSum, so a float64 sum that lands on an fp32 midpoint is
-resolved by its error term). The reference quotient is float64 division rounded to fp32, which
-is the correctly rounded fp32 quotient (53 >= 2 * 24 + 2).
++-448, nearest even, every NaN one code)? ``--form no-select`` checks instead the select-free form
+of variant ``quotient_no_select`` (benchmarks/variants.py): nm = -m, or m for a negative s (sign
+bit); s' = |s| * m, nr = RN(-1 / s'), nx = x * nm, q0 = RN(nx * nr) clamped to +-2**17 with NaN
+kept, q = fma(fma(q0, s'', nx), nr, q0) with s'' = 0 where s' is inf. The FMAs are emulated exactly
+in float64 (products of two fp32 are exact there; the sum is split by TwoSum, so a float64 sum that
+lands on an fp32 midpoint is resolved by its error term). The reference quotient is float64
+division rounded to fp32, which is the correctly rounded fp32 quotient (53 >= 2 * 24 + 2).
 
     python benchmarks/fp8_division_check.py                 # 2,000 random scales + edge cases
     python benchmarks/fp8_division_check.py --scales 20000 --seed 3
@@ -70,14 +70,14 @@ def kernel_quotient(x: np.ndarray, s: F32) -> np.ndarray:
 
 def no_select_quotient(x: np.ndarray, s: F32) -> np.ndarray:
     m = _rescale(s)
-    m = -m if np.signbit(s) else m
-    s = F32(abs(s) * abs(m))
-    r = F32(1.0 / F64(s))
-    x = (x.astype(F64) * F64(m)).astype(F32)
-    q0 = (x.astype(F64) * F64(r)).astype(F32)
+    nm = m if np.signbit(s) else -m
+    s = F32(abs(s) * m)
+    nr = F32(-1.0 / F64(s))
+    nx = (x.astype(F64) * F64(nm)).astype(F32)
+    q0 = (nx.astype(F64) * F64(nr)).astype(F32)
     q0 = np.where(np.isnan(q0), q0, np.clip(q0, F32(-2.0**17), F32(2.0**17))).astype(F32)
-    e = fma32(q0, np.full_like(x, F32(0.0) if s == np.inf else s), -x)
-    return fma32(-e, np.full_like(x, r), q0)
+    e = fma32(q0, np.full_like(x, F32(0.0) if s == np.inf else s), nx)
+    return fma32(e, np.full_like(x, nr), q0)
 
 
 def newton_reciprocal(s: np.ndarray, start: np.ndarray) -> np.ndarray:

@@ -82,21 +82,23 @@ _NO_CORRECTION = Edit(KERNEL, """            q1 = tl.fma(tl.fma(-q0, s, x), r, q
 """, "            q = q0\n")
 
 # The exact quotient without the final select (which holds q0 and q1 live together: 80 → 64
-# registers at tile (16, 8, 1, 2), docs/perf-notes.md lead 6 m): the scale's sign folded into m
-# (x * m / |s| * |m|), the product clamped to +-2**17 (past every FP8 maximum; NaN kept) so the
-# residual of an infinite x or quotient is not NaN, the residual negated (-0 keeps its sign),
-# an infinite scale's residual taken against 0. benchmarks/fp8_division_check.py --form
-# no-select: the same codes for every bf16 and fp16 x, inf and NaN included, and every scale
-# kind the cache tests hold.
+# registers at tile (16, 8, 1, 2), docs/perf-notes.md lead 6 m), and without a negation per
+# element (Triton's unary minus is `0 - v`: an FADD each, and +0 where -0 is meant): the
+# scale's sign folded into the rescale, nm = -m and nr = -RN(1/|s|*|m|) per head, so
+# nx = x * nm = -x' exactly; q0 = nx * nr clamped to +-2**17 (past every FP8 maximum; NaN kept:
+# one min.NaN.xorsign.abs) so the residual of an infinite x or quotient is not NaN;
+# q = fma(fma(q0, s'', nx), nr, q0), s'' = 0 for an infinite scale (its residual would be
+# NaN). benchmarks/fp8_division_check.py --form no-select: the same codes for every bf16 and
+# fp16 x, inf and NaN included, and every scale kind the cache tests hold.
 _NO_SELECT = Edit(KERNEL, _SCALED_RESCALE + _SCALED_QUOTIENT, """\
             a = tl.abs(scale)
             m = tl.where((a > 0.0) & (a < 1.1754943508222875e-38), 18446744073709551616.0, 1.0)
-            m = tl.where(scale.to(tl.int32, bitcast=True) < 0, -m, m)
-            s = a * tl.abs(m)
-            r = tl.math.div_rn(1.0, s)
-            x = x * m
-            q0 = tl.clamp(x * r, -131072.0, 131072.0, propagate_nan=tl.PropagateNan.ALL)
-            q = tl.fma(-tl.fma(q0, tl.where(s == float("inf"), 0.0, s), -x), r, q0)
+            nm = tl.where(scale.to(tl.int32, bitcast=True) < 0, m, -m)
+            s = a * m
+            nr = tl.math.div_rn(-1.0, s)
+            nx = x * nm
+            q0 = tl.clamp(nx * nr, -131072.0, 131072.0, propagate_nan=tl.PropagateNan.ALL)
+            q = tl.fma(tl.fma(q0, tl.where(s == float("inf"), 0.0, s), nx), nr, q0)
 """)
 
 # The query's power-of-two test from one scalar load, no reduction over the tile: a per-tensor

@@ -13,6 +13,7 @@ from test_qknorm_rope import PCase, make
 
 import qkrope
 from qkrope._interpret import interpreting
+from qkrope.ops.qknorm_rope.kernel import _store_scaled
 from qkrope.ops.qknorm_rope.launcher import saturating_fp8_cvt
 from qkrope.ops.qknorm_rope.quantize import _store_fp8
 from qkrope.ops.qknorm_rope.reference import quantize
@@ -206,6 +207,37 @@ def test_fp8_store_rounds_every_bf16_value_as_the_oracle(dtype, sat_cvt):
     want = quantize(x, dtype, 1.0, 0).view(torch.uint8)
     got = out.view(torch.uint8)
     assert torch.equal(got, want), x[got != want][:8]
+
+
+@triton.jit
+def _scaled_store_kernel(x_ptr, scale_ptr, out_ptr, n, BLOCK: tl.constexpr,
+                         INTERPRETER: tl.constexpr, SAT_CVT: tl.constexpr):
+    off = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(x_ptr + off, mask=off < n, other=0.0)
+    scale = tl.load(scale_ptr + tl.program_id(1))
+    _store_scaled(out_ptr, tl.program_id(1).to(tl.int64) * n + off, v, off < n, scale, True,
+                  INTERPRETER, SAT_CVT)
+
+
+@pytest.mark.parametrize("dtype", [FP8, E5M2], ids=["e4m3", "e5m2"])
+def test_static_scale_store_of_every_bf16_value_is_the_oracles(dtype):
+    """``kernel._store_scaled`` itself (on a GPU its select-free FMA quotient, in the
+    interpreter ``div_rn``) against the oracle's ``x / s`` bytes, for every bf16 bit pattern
+    (-0, subnormals, +-inf and NaN included) and every kind of scale value a scale tensor may
+    hold unchecked (``fp8_division_check.scales``: +-0, negative, +-inf, NaN, subnormal of
+    either sign, huge, and random ones): signed zeros and saturation included, byte for
+    byte."""
+    ss = torch.from_numpy(division_check().scales(8, seed=5)).to(DEVICE)
+    x = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).to(DEVICE)
+    out = torch.empty(ss.numel(), x.numel(), dtype=dtype, device=DEVICE)
+    block = 32768
+    _scaled_store_kernel[(triton.cdiv(x.numel(), block), ss.numel())](
+        x, ss, out, x.numel(), BLOCK=block, INTERPRETER=interpreting(),
+        SAT_CVT=saturating_fp8_cvt(x.device))
+    want = quantize(x.expand(ss.numel(), -1), dtype, ss, 0).view(torch.uint8)
+    got = out.view(torch.uint8)
+    bad = (got != want).nonzero()
+    assert not len(bad), [(ss[i].item(), x[j].item()) for i, j in bad[:8].tolist()]
 
 
 def test_static_scale_quotient_gives_the_ieee_quotients_codes():
