@@ -3,22 +3,22 @@ GPU; the interpreter keeps ``div_rn``): for every bf16 and fp16 value x (+-inf a
 included) and many fp32 scales s (random ones, and every kind of value a scale tensor may hold
 unchecked: +-0, negative, +-inf, NaN, subnormal of either sign, huge), is
 
-    m = 2**64 if s is subnormal else 1;  s' = s * m;  x' = x * m    (both exact)
-    r = RN(1 / s');  q0 = RN(x' * r);  q1 = RN(q0 + RN(x' - q0 * s') * r)   (FMAs one rounding)
-    q = q1 if |q1| > 0 else q0
+    m = 2**64 if s is subnormal else 1;  nm = m if s < 0 (its sign bit) else -m  (per head)
+    s' = |s| * m;  nr = RN(-1 / s');  nx = x * nm (exact);  q0 = clamp(RN(nx * nr), +-2**17)
+    q = RN(q0 + RN(q0 * s'' + nx) * nr)   (FMAs one rounding; s'' = 0 where s' is inf, else s')
 
 stored as the same e4m3 and e5m2 codes as the IEEE quotient RN(x / s) (spec.md R4: saturate to
-+-448, nearest even, every NaN one code)? ``--form no-select`` checks instead the select-free form
-of variant ``quotient_no_select`` (benchmarks/variants.py): nm = -m, or m for a negative s (sign
-bit); s' = |s| * m, nr = RN(-1 / s'), nx = x * nm, q0 = RN(nx * nr) clamped to +-2**17 with NaN
-kept, q = fma(fma(q0, s'', nx), nr, q0) with s'' = 0 where s' is inf. The FMAs are emulated exactly
-in float64 (products of two fp32 are exact there; the sum is split by TwoSum, so a float64 sum that
-lands on an fp32 midpoint is resolved by its error term). The reference quotient is float64
-division rounded to fp32, which is the correctly rounded fp32 quotient (53 >= 2 * 24 + 2).
++-448, nearest even, every NaN one code)? The clamp keeps NaN and lies past every FP8 maximum (an
+infinite x or quotient leaves a finite residual); nm and nr carry the negations (Triton's unary
+minus is `0 - v`, which gives +0 for +0; the emulation does each operation the kernel does, signed
+zeros included). The form with a final select instead of the clamp and the sign fold is in git
+(docs/design.md, "FP8 stores"). The FMAs are emulated exactly in float64 (products of two fp32 are
+exact there; the sum is split by TwoSum, so a float64 sum that lands on an fp32 midpoint is
+resolved by its error term). The reference quotient is float64 division rounded to fp32, which is
+the correctly rounded fp32 quotient (53 >= 2 * 24 + 2).
 
     python benchmarks/fp8_division_check.py                 # 2,000 random scales + edge cases
     python benchmarks/fp8_division_check.py --scales 20000 --seed 3
-    python benchmarks/fp8_division_check.py --form no-select
 
 Exit status 1 when any code differs (the kernel's quotient is then wrong).
 """
@@ -58,17 +58,6 @@ def _rescale(s: F32) -> F32:
 
 
 def kernel_quotient(x: np.ndarray, s: F32) -> np.ndarray:
-    m = _rescale(s)
-    s, x = F32(s * m), (x.astype(F64) * F64(m)).astype(F32)
-    sv = np.full_like(x, s)
-    r = F32(1.0 / F64(s))
-    rv = np.full_like(x, r)
-    q0 = (x.astype(F64) * F64(r)).astype(F32)
-    q1 = fma32(fma32(-q0, sv, x), rv, q0)
-    return np.where(np.abs(q1) > 0, q1, q0)
-
-
-def no_select_quotient(x: np.ndarray, s: F32) -> np.ndarray:
     m = _rescale(s)
     nm = m if np.signbit(s) else -m
     s = F32(abs(s) * m)
@@ -129,10 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--scales", type=int, default=2000, help="random scales of each kind")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--form", choices=("production", "no-select"), default="production",
-                   help="the quotient to check (module docstring)")
     args = p.parse_args(argv)
-    quotient = kernel_quotient if args.form == "production" else no_select_quotient
     ss = scales(args.scales, args.seed)
     worst = 0
     print("| x dtype | values | scales | e4m3 codes differing | e5m2 codes differing | "
@@ -145,10 +131,10 @@ def main(argv: list[str] | None = None) -> int:
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             for s in ss:
                 ref = (x.astype(F64) / F64(s)).astype(F32)
-                q = quotient(x, s)
+                q = kernel_quotient(x, s)
                 for fp8 in FP8:
                     codes[fp8] += int((fp8_codes(q, fp8) != fp8_codes(ref, fp8)).sum())
-                # (past 2**16 every FP8 store saturates: the no-select form clamps there)
+                # (past 2**16 every FP8 store saturates: the kernel clamps there)
                 quotients += int(((q != ref) & (np.abs(ref) > 2.0**-12)
                                   & (np.abs(ref) < 2.0**16)).sum())
         worst = max(worst, *codes.values())

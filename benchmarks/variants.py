@@ -10,16 +10,16 @@ A variant is used two ways:
   (:func:`variant_kernel`), for ``tile_sweep.py --variants`` and ``compile_sm90.py --variant``
   (in-process, forced tiles).
 
-Every text to replace must occur exactly once (``every``: at least once), so a kernel change
-breaks a variant loudly instead of silently timing the production kernel
-(tests/test_variants.py). Variants that were adopted or refuted (rstd_first, two_q_heads,
-trig_first_single_row; the eviction hints of docs/design.md §Tile rule: commit bdd73a8;
-partial_rotary_freqs, fma_division, satfinite_store, fp8_stores, pth_amax_max, int8_no_clamp,
-pth_lean, pth_early, pth_lean_early, pth_fma_quotient, pth_newton_reciprocal, pth_int_amax,
-int8_cvt_rz: adopted, in git before the commit that adopted them; q8_store8, kv_first:
-refuted, docs/perf-notes.md leads 6 g and 6 k; quant_lean, scaled_pow2_branch with
-int8_cvt_rz, scaled_pow2_only: mixed, not adopted, lead 6 m) are in git history. What each
-variant measured: docs/design.md and docs/perf-notes.md.
+Every text to replace must occur exactly once (``every``: at least once), so a kernel change breaks
+a variant loudly instead of silently timing the production kernel (tests/test_variants.py).
+Variants that were adopted or refuted (rstd_first, two_q_heads, trig_first_single_row; the eviction
+hints of docs/design.md §Tile rule: commit bdd73a8; partial_rotary_freqs, fma_division,
+satfinite_store, fp8_stores, pth_amax_max, int8_no_clamp, pth_lean, pth_early, pth_lean_early,
+pth_fma_quotient, pth_newton_reciprocal, pth_int_amax, int8_cvt_rz, quotient_no_select: adopted, in
+git before the commit that adopted them; q8_store8, kv_first: refuted, docs/perf-notes.md leads 6 g
+and 6 k; quant_lean, scaled_pow2_branch with int8_cvt_rz, scaled_pow2_only, q8_lean: mixed, not
+adopted, lead 6 m) are in git history. What each variant measured: docs/design.md and docs/perf-
+notes.md.
 
     python benchmarks/variants.py /tmp/v [NAME ...]     # writes /tmp/v/<name>/src, prints it
 """
@@ -64,42 +64,13 @@ _TRIG_HW = [Edit(KERNEL, "cos = libdevice.cos(angle)", "cos = libdevice.fast_cos
             Edit(KERNEL, "sin = libdevice.sin(angle)", "sin = libdevice.fast_sinf(angle)")]
 
 # The static-scale FP8 store's exact quotient (kernel._store_scaled): without the subnormal
-# scale's rescale, and without the FMA correction too (a plain product by the reciprocal).
-_SCALED_RESCALE = (
-    "            a = tl.abs(scale)\n"
-    "            m = tl.where((a > 0.0) & (a < 1.1754943508222875e-38), 18446744073709551616.0, "
-    "1.0)\n"
-    "            s = scale * m\n"
-    "            x = x * m\n")
-_SCALED_QUOTIENT = """            r = tl.math.div_rn(1.0, s)
-            q0 = x * r
-            q1 = tl.fma(tl.fma(-q0, s, x), r, q0)
-            q = tl.where(tl.abs(q1) > 0.0, q1, q0)
-"""
-_NO_RESCALE = Edit(KERNEL, _SCALED_RESCALE, "            s = scale\n")
-_NO_CORRECTION = Edit(KERNEL, """            q1 = tl.fma(tl.fma(-q0, s, x), r, q0)
-            q = tl.where(tl.abs(q1) > 0.0, q1, q0)
-""", "            q = q0\n")
-
-# The exact quotient without the final select (which holds q0 and q1 live together: 80 → 64
-# registers at tile (16, 8, 1, 2), docs/perf-notes.md lead 6 m), and without a negation per
-# element (Triton's unary minus is `0 - v`: an FADD each, and +0 where -0 is meant): the
-# scale's sign folded into the rescale, nm = -m and nr = -RN(1/|s|*|m|) per head, so
-# nx = x * nm = -x' exactly; q0 = nx * nr clamped to +-2**17 (past every FP8 maximum; NaN kept:
-# one min.NaN.xorsign.abs) so the residual of an infinite x or quotient is not NaN;
-# q = fma(fma(q0, s'', nx), nr, q0), s'' = 0 for an infinite scale (its residual would be
-# NaN). benchmarks/fp8_division_check.py --form no-select: the same codes for every bf16 and
-# fp16 x, inf and NaN included, and every scale kind the cache tests hold.
-_NO_SELECT = Edit(KERNEL, _SCALED_RESCALE + _SCALED_QUOTIENT, """\
-            a = tl.abs(scale)
-            m = tl.where((a > 0.0) & (a < 1.1754943508222875e-38), 18446744073709551616.0, 1.0)
-            nm = tl.where(scale.to(tl.int32, bitcast=True) < 0, m, -m)
-            s = a * m
-            nr = tl.math.div_rn(-1.0, s)
-            nx = x * nm
-            q0 = tl.clamp(nx * nr, -131072.0, 131072.0, propagate_nan=tl.PropagateNan.ALL)
-            q = tl.fma(tl.fma(q0, tl.where(s == float("inf"), 0.0, s), nx), nr, q0)
-""")
+# scale's rescale, and, a bound for any exact form, as a plain product by the reciprocal.
+_SCALED_RESCALE = ("            m = tl.where((a > 0.0) & (a < 1.1754943508222875e-38), "
+                   "18446744073709551616.0, 1.0)\n")
+_SCALED_FMA = ("            q = tl.fma(tl.fma(q0, tl.where(s == float(\"inf\"), 0.0, s), nx), nr, "
+               "q0)\n")
+_NO_RESCALE = Edit(KERNEL, _SCALED_RESCALE, "            m = 1.0\n")
+_PRODUCT = Edit(KERNEL, _SCALED_FMA, "            q = x * tl.math.div_rn(1.0, scale)\n")
 
 # The query's power-of-two test from one scalar load, no reduction over the tile: a per-tensor
 # q_scale (stride 0) that is a normal power of two takes the bare product, anything else
@@ -140,16 +111,11 @@ VARIANTS: dict[str, tuple[str, list[Edit]]] = {
                           "it costs (wrong for subnormal scales by design)", [_NO_RESCALE]),
     "scaled_product": ("static-scale FP8 stores as x * RN(1/s), no rescale, no FMA correction: "
                        "what the exact quotient costs (wrong in rare last-ulp cases by design)",
-                       [_NO_RESCALE, _NO_CORRECTION]),
-    "quotient_no_select": ("static-scale FP8 stores: the exact quotient without its final "
-                           "select (the sign in m, the product clamped, the residual negated); "
-                           "the same bits", [_NO_SELECT]),
+                       [_PRODUCT]),
     "scaled_pow2_scalar": ("FP8 query stores: a per-tensor q_scale that is a normal power of "
                            "two (one scalar load, no reduction) takes the product by the "
                            "reciprocal; else production's quotient; the same bits",
                            _POW2_SCALAR),
-    "q8_lean": ("quotient_no_select and scaled_pow2_scalar together (the one in the quotient, "
-                "the other around it); the same bits", [_NO_SELECT, *_POW2_SCALAR]),
 }
 
 

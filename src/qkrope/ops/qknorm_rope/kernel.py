@@ -354,24 +354,29 @@ def _store_scaled(out_ptr, off, vals, mask, scale, SCALED: tl.constexpr,
     if SCALED:
         # The IEEE quotient's FP8 code, as torch's x / scale (Triton's fp32 `/` is div.full, up
         # to 2 ulp off, which can tip a rounding): the head's reciprocal, then per element one
-        # FMA correction instead of a div_rn each (docs/design.md, "FP8 stores"). A quotient of
-        # +-0 keeps q0 (the sign), as do +-inf and NaN. The interpreter has no fused FMA.
+        # FMA correction instead of a div_rn each, in a form with no select and no negation per
+        # element (docs/design.md, "FP8 stores"). The interpreter has no fused FMA.
         x = _f32(vals, INTERPRETER)
         if INTERPRETER:
             q = tl.math.div_rn(x, scale)
         else:
-            # A subnormal scale's reciprocal overflows: its head divides x * 2**64 by
-            # scale * 2**64 instead (both exact; an x that overflows saturates either way).
-            # Either sign: a negative one is no more valid, but the oracle's bytes hold for every
-            # scale value (docs/design.md, "FP8 stores").
+            # Per head: m = 2**64 for a subnormal scale (its reciprocal overflows: x * 2**64 /
+            # |s| * 2**64, both exact; an x that overflows saturates either way); the scale's
+            # sign goes to x (a negative or -0 scale is no more valid, but the oracle's bytes
+            # hold for every scale value), negated with the reciprocal, because Triton's unary
+            # minus is `0 - v` (an FADD, and +0 for +0): nx * nr = x' * r exactly, and -0 keeps
+            # its sign through the residual.
             a = tl.abs(scale)
             m = tl.where((a > 0.0) & (a < 1.1754943508222875e-38), 18446744073709551616.0, 1.0)
-            s = scale * m
-            x = x * m
-            r = tl.math.div_rn(1.0, s)
-            q0 = x * r
-            q1 = tl.fma(tl.fma(-q0, s, x), r, q0)
-            q = tl.where(tl.abs(q1) > 0.0, q1, q0)
+            nm = tl.where(scale.to(tl.int32, bitcast=True) < 0, m, -m)
+            s = a * m
+            nr = tl.math.div_rn(-1.0, s)
+            nx = x * nm
+            # q0 clamped past every FP8 maximum (NaN kept: one min.NaN.xorsign.abs), so an
+            # infinite x or quotient leaves a finite residual; an infinite scale's residual is
+            # taken against 0.
+            q0 = tl.clamp(nx * nr, -131072.0, 131072.0, propagate_nan=tl.PropagateNan.ALL)
+            q = tl.fma(tl.fma(q0, tl.where(s == float("inf"), 0.0, s), nx), nr, q0)
         _store_fp8(out_ptr, off, q, mask, INTERPRETER, SAT_CVT)
     else:
         tl.store(out_ptr + off, vals, mask=mask)
