@@ -18,8 +18,8 @@ satfinite_store, fp8_stores, pth_amax_max, int8_no_clamp, pth_lean, pth_early, p
 pth_fma_quotient, pth_newton_reciprocal, pth_int_amax, int8_cvt_rz, quotient_no_select: adopted, in
 git before the commit that adopted them; q8_store8, kv_first: refuted, docs/perf-notes.md leads 6 g
 and 6 k; quant_lean, scaled_pow2_branch with int8_cvt_rz, scaled_pow2_only, q8_lean: mixed, not
-adopted, lead 6 m) are in git history. What each variant measured: docs/design.md and docs/perf-
-notes.md.
+adopted, lead 6 m) are in git history. What each variant measured: docs/design.md and
+docs/perf-notes.md.
 
     python benchmarks/variants.py /tmp/v [NAME ...]     # writes /tmp/v/<name>/src, prints it
 """
