@@ -312,15 +312,17 @@ def test_a_rows_scale_quotient_is_the_ieee_quotient_for_every_amax(Q):
     equals the IEEE quotient for every amax a row can have (each bf16 and fp16 value >= 0, and
     inf), and the check has teeth: the product alone differs."""
     check = division_check()
+    F32, F64 = check.F32, check.F64
     x = np.concatenate([check.every_value(torch.bfloat16), check.every_value(torch.float16),
-                        [np.inf]]).astype(check.F32)
+                        [np.inf]]).astype(F32)
     x = x[x >= 0]
-    want = (x.astype(check.F64) / check.F64(Q)).astype(check.F32)
-    with np.errstate(invalid="ignore"):
-        got = check.kernel_quotient(x, check.F32(Q))
-    assert np.array_equal(got, want)
-    product = (x.astype(check.F64) * check.F64(check.F32(1.0 / Q))).astype(check.F32)
-    assert not np.array_equal(product, want)
+    want = (x.astype(F64) / F64(Q)).astype(F32)
+    r = np.full_like(x, F32(1.0 / F64(Q)))
+    q0 = (x.astype(F64) * r.astype(F64)).astype(F32)
+    with np.errstate(invalid="ignore"):  # (Triton's -q0 is 0 - q0)
+        q1 = check.fma32(check.fma32(F32(0) - q0, np.full_like(x, F32(Q)), x), r, q0)
+    assert np.array_equal(np.where(q1 == q1, q1, q0), want)
+    assert not np.array_equal(q0, want)  # the product alone
 
 
 @pytest.mark.parametrize("Q", [127.0, 448.0])
