@@ -23,8 +23,10 @@
 #                                                  # e2e, in one call: after a change of the op
 #                                                  # or the integration (qwen3-8b only: the
 #                                                  # others pass the 600 s a call may take)
-#   bash benchmarks/device_session.sh quant      # qkrope only, bf16 vs each quantised mode, both layouts (~3 min;
-#                                                  # one file per layout), then host_probe --modes
+#   bash benchmarks/device_session.sh quant [MODES] # qkrope only, bf16 vs each quantised mode,
+#                                                  # both layouts (~3 min; one file per layout),
+#                                                  # then host_probe --modes; MODES (e.g.
+#                                                  # bf16,fp8,fp8-pth-q8): those, no host table
 #   bash benchmarks/device_session.sh tiles      # tile sweep on the mid-size workloads
 #   bash benchmarks/device_session.sh small-tiles # one head per program vs tiles, 1-64 tokens, 5 models
 #   bash benchmarks/device_session.sh trig       # trig cost: kernel variants trig_hw, no_trig
@@ -124,9 +126,11 @@ case "${1:-tests}" in
     echo "pytest rc=$?"; grep -E "^FAILED|^ERROR" "$OUT/pytest.log" | head; tail -1 "$OUT/pytest.log"
     python3 -m qkrope bench --e2e ${2:+--model $2} --json "$OUT/e2e.json" \
       --plot "$OUT/e2e.png" 2>&1 | tee "$OUT/e2e.md" | tail -30 ;;
-  quant) # the quantised modes against bf16 outputs, one run each (~3 min in all)
+  quant) # the quantised modes against bf16 outputs, one run each (~3 min in all); MODES
+    # (comma-separated, bf16 first) times those only, without the host table
+    modes=${2:-bf16,fp8,fp8-pth-q8,int8-pth,fp8-pth-q8-cal}
     for layout in bhsd paged; do
-      for mode in bf16 fp8 fp8-pth-q8 int8-pth fp8-pth-q8-cal; do
+      for mode in ${modes//,/ }; do
         f=$(mode_flags $mode)
         # (one markdown file per layout: the device tool returns at most 8 files, so the step
         # leaves room for another step's in the same call)
@@ -138,7 +142,7 @@ case "${1:-tests}" in
       done
     done
     # host time per call, each mode against bf16 outputs in one process, runs alternating
-    timeout 120 python3 benchmarks/host_probe.py --rows 1,2,p1,p2 --calls 1000 \
+    [ -n "${2:-}" ] || timeout 120 python3 benchmarks/host_probe.py --rows 1,2,p1,p2 --calls 1000 \
       --modes fp8,fp8-pth-q8,int8-pth 2>&1 | tee "$OUT/quant-host.md" ;;
   tiles) python3 benchmarks/tile_sweep.py --rows 3,4,6,8,10 \
            --configs pick 16,8,1,2 8,8,2,2 16,8,2,2 8,4,2,1 32,8,1,4 4,4,4,2 \
