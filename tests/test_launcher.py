@@ -463,17 +463,19 @@ def test_pick_config_narrows_kv_tiles_only_for_int8_caches_of_few_tokens(h200_sm
     assert launcher.pick_config(B, T, 96, 8, 128, False)[1] == (1 if B * T == 1 else 8)
 
 
-@pytest.mark.parametrize("B, T, want", [
-    (1, 128, (8, 4, 1, 2)),    # #3: an FP8 query beside per-token-head caches, 8 + 4 heads
-    (64, 1, (8, 4, 1, 2)),     # p1
-    (1, 293, (8, 4, 1, 2)),    # #8
-    (2, 512, (16, 8, 1, 2)),   # #9: past 512 tokens the usual tile
-    (1, 1, (1, 1, 1, 1)),      # a decode step: one head a program either way
+@pytest.mark.parametrize("B, T, want, want_int8", [
+    (1, 128, (8, 4, 1, 2), None),    # #3: an FP8 query beside per-token-head caches, 8 + 4 heads
+    (64, 1, (8, 4, 1, 2), None),     # p1
+    (1, 129, (16, 8, 1, 2), (16, 4, 1, 2)),  # past 128 tokens the usual tile (INT8: its own)
+    (1, 293, (16, 8, 1, 2), (16, 4, 1, 2)),  # #8
+    (2, 512, (16, 8, 1, 2), None),   # #9: past 512 tokens the usual tile either way
+    (1, 1, (1, 1, 1, 1), None),      # a decode step: one head a program either way
 ])
 def test_pick_config_narrows_q_and_kv_tiles_for_an_fp8_query_of_few_tokens(h200_sms, B, T,
-                                                                         want):
+                                                                         want, want_int8):
     assert tuple(launcher.pick_config(B, T, 96, 8, 128, False, False, True)) == want
-    assert tuple(launcher.pick_config(B, T, 96, 8, 128, False, True, True)) == want
+    assert tuple(launcher.pick_config(B, T, 96, 8, 128, False, True, True)) == (want_int8
+                                                                                 or want)
 
 
 class _Picked(Exception):

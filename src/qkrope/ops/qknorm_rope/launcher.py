@@ -62,12 +62,15 @@ class TileConfig(NamedTuple):
 # so few tokens that its tiles would leave SMs idle; past that, a program per head repeats the
 # tile's trig and address work for every head.
 ONE_HEAD_MAX_TOKENS = 4
-# Quantised stores that lengthen a program: up to this many tokens, more, narrower programs
-# finish a call sooner (docs/design.md, "Per-token-head scales"). INT8 per-token-head caches'
-# K/V programs (amax, scale, codes rounded half away from zero) take at most 4 KV heads; an FP8
-# query beside per-token-head caches makes the Q programs the slow half (16-byte stores in a
-# layout of their own): at most 8 query heads and 4 KV heads.
+# Quantised stores that lengthen a program: up to these many tokens, more, narrower programs
+# finish a call sooner (docs/design.md, "Narrower tiles for quantised stores"). INT8
+# per-token-head caches' K/V programs (amax, scale, codes rounded half away from zero) take at
+# most 4 KV heads up to NARROW_MAX_TOKENS; an FP8 query beside per-token-head caches makes the
+# Q programs the slow half (16-byte stores in a layout of their own): at most 8 query heads and
+# 4 KV heads, but only up to NARROW_Q8_MAX_TOKENS, past which the H200 issues the narrow tiles'
+# repeated per-program work slower than the wide tiles' longer programs.
 NARROW_MAX_TOKENS = 512
+NARROW_Q8_MAX_TOKENS = 128
 
 
 @functools.lru_cache(maxsize=1024)
@@ -82,11 +85,11 @@ def pick_config(B: int, T: int, Hq: int, Hkv: int, D: int, interpret: bool,
                           min(triton.next_power_of_2(T), 32), 4)
     block_hq = min(triton.next_power_of_2(Hq), max(1, 2048 // D))
     block_hkv = min(triton.next_power_of_2(Hkv), max(1, 1024 // D))
-    if B * T <= NARROW_MAX_TOKENS:
-        if int8_cache or fp8_query_pth:
-            block_hkv = min(block_hkv, 4)
-        if fp8_query_pth:
-            block_hq = min(block_hq, 8)
+    if int8_cache and B * T <= NARROW_MAX_TOKENS:
+        block_hkv = min(block_hkv, 4)
+    if fp8_query_pth and B * T <= NARROW_Q8_MAX_TOKENS:
+        block_hq = min(block_hq, 8)
+        block_hkv = min(block_hkv, 4)
     programs = B * T * (triton.cdiv(Hq, block_hq) + triton.cdiv(Hkv, block_hkv))
     if programs < _num_sms() and (B * T <= ONE_HEAD_MAX_TOKENS or D > 128):
         # A decode step of a few tokens: one head per program spreads it over the chip. Tiles
