@@ -67,8 +67,9 @@ ONE_HEAD_MAX_TOKENS = 4
 # per-token-head caches' K/V programs (amax, scale, codes rounded half away from zero) take at
 # most 4 KV heads up to NARROW_MAX_TOKENS; an FP8 query beside per-token-head caches makes the
 # Q programs the slow half (16-byte stores in a layout of their own): at most 8 query heads and
-# 4 KV heads, but only up to NARROW_Q8_MAX_TOKENS, past which the H200 issues the narrow tiles'
-# repeated per-program work slower than the wide tiles' longer programs.
+# 4 KV heads, but only up to NARROW_Q8_MAX_TOKENS: past that, the narrow tiles' repeated
+# per-token work (trig, addressing, for every 8 heads instead of 16) costs an H200 more than
+# their shorter programs gain.
 NARROW_MAX_TOKENS = 512
 NARROW_Q8_MAX_TOKENS = 128
 
