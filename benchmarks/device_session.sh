@@ -45,8 +45,9 @@
 #                                                  # outputs and appends on the last one's tree,
 #                                                  # then tile_sweep at pick_config's tile,
 #                                                  # production and each variant alternating,
-#                                                  # in bf16, fp8-pth-q8, int8-pth and
+#                                                  # in bf16, fp8, fp8-pth-q8, int8-pth and
 #                                                  # fp8-pth-q8 at a scale not a power of two
+#                                                  # (~5 min)
 #   bash benchmarks/device_session.sh variants-q8 NAME... # FP8-query variants: the last
 #                                                  # one's tree's GPU tests (variant_tests), then
 #                                                  # tile_sweep of fp8-pth-q8 at 1/64 and 0.0166
@@ -208,7 +209,7 @@ case "${1:-tests}" in
     grep -h "^#" "$OUT"/tiles-*.md | cut -c1-400 ;;
   variants-modes) # (docs/perf-notes.md, lead 6 k)
     shift; variant_tests "$@" || exit 1
-    for mode in bf16 fp8-pth-q8 int8-pth fp8-pth-q8-cal; do
+    for mode in bf16 fp8 fp8-pth-q8 int8-pth fp8-pth-q8-cal; do
       f=$(mode_flags $mode)
       timeout 150 python3 benchmarks/tile_sweep.py --rows 1,2,3,4,8,13,p1,p2,p3 $f \
         --configs pick --variants $kernels --rounds 5 > "$OUT/variants-$mode.md" 2>&1

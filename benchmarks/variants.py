@@ -96,6 +96,30 @@ _POW2_SCALAR = [
         else:
 """ + "".join(f"    {line}\n" for line in _Q_STORES.splitlines()))]
 
+# Every bf16 -> fp32 conversion of the GPU path (rows, weights, the FP8 quotient's rotated
+# rows) as one shift and one mask a register of two elements (PTX through inline assembly; the
+# interpreter path keeps its own), where LLVM extracts each 16-bit half first: PRMT + SHF for
+# every high element. The same bits (the conversion is a shift either way).
+_BF16_UNPACK = [
+    Edit(KERNEL, """@triton.jit
+def _f32(""", """@triton.jit
+def _bf16_pairs_f32(x):
+    return tl.inline_asm_elementwise("{ shl.b32 $0, $2, 16; and.b32 $1, $2, 0xFFFF0000; }",
+                                     "=r,=r,r", [x], dtype=tl.float32, is_pure=True, pack=2)
+
+
+@triton.jit
+def _f32("""),
+    Edit(KERNEL, """        return tl.where(y != y, float("nan"), y)
+    else:
+        return x.to(tl.float32)
+""", """        return tl.where(y != y, float("nan"), y)
+    elif x.dtype == tl.bfloat16:
+        return _bf16_pairs_f32(x)
+    else:
+        return x.to(tl.float32)
+""")]
+
 #: name -> (what it probes, edits).
 VARIANTS: dict[str, tuple[str, list[Edit]]] = {
     "skeleton": ("loads and stores only, no norm, rotation or trig: a lower bound for this "
@@ -116,6 +140,9 @@ VARIANTS: dict[str, tuple[str, list[Edit]]] = {
                            "two (one scalar load, no reduction) takes the product by the "
                            "reciprocal; else production's quotient; the same bits",
                            _POW2_SCALAR),
+    "bf16_unpack": ("every bf16 -> fp32 conversion of the GPU path as a shift and a mask a "
+                    "register of two elements, not an extract and shift each; the same bits",
+                    _BF16_UNPACK),
 }
 
 
