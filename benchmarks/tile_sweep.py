@@ -106,6 +106,8 @@ def main() -> None:
                         "only the GPU code path, so there they pass like production)")
     p.add_argument("--model", default=DEFAULT_MODEL.name, choices=sorted(MODELS),
                    help="head geometry of the rows (default: the suite's 96/8/128)")
+    p.add_argument("--norm-rounding", default="weight_fp32", choices=("weight_fp32", "hf"),
+                   help="the op's norm_rounding (hf: the HF integration's Qwen3 rounding)")
     p.add_argument("--json", metavar="PATH", help="write every timed call here")
     quant_modes.add_arguments(p)
     args = p.parse_args()
@@ -151,10 +153,12 @@ def main() -> None:
         a = quant.prepare(row_inputs(row, device=device, generator=g, cache_capacity=cache_len,
                                      geometry=model))
         reference = qkrope.reference_paged if row.paged else qkrope.reference
-        opts = row_options(row, **model.options())  # partial rotary, (1 + w) norms
+        # partial rotary, (1 + w) norms
+        fields = dict(model.options(), norm_rounding=args.norm_rounding)
+        opts = row_options(row, **fields)
         kw = quant.call_kwargs(a)
         want = written_rows(row, (*quant.dequantize(
-            reference(*a, inplace=False, **model.options(), **kw), kw), a))
+            reference(*a, inplace=False, **fields, **kw), kw), a))
         ok = {name: check(row, a, want, kernel, cfg, opts, quant)
               for name, cfg, kernel in candidates}
         del want

@@ -120,6 +120,36 @@ def _f32("""),
         return x.to(tl.float32)
 """)]
 
+# HF's Qwen3 norm (norm_rounding="hf") multiplies the weight and the rounded normalised row in
+# bf16. Loaded as [1, 1, D/2] the weights cross to the rows' layout in fp32 through shared memory,
+# and LLVM no longer sees a bf16 operand: an FMUL and a rounding an element. Loaded in the rows'
+# own shape (zero strides along heads and tokens; L1 hits), they stay bf16 into the product,
+# which becomes a native bf16 multiply a pair. The same values (the fp32 product of two bf16
+# values is exact, so one rounding either way); the GPU path only.
+_HF_WEIGHTS_ROWS = [
+    Edit(KERNEL, """def _load_tile(x_ptr, row_off, stride_d, mask, w_ptr, stride_w, D: tl.constexpr,
+               W_OFFSET: tl.constexpr, INTERPRETER: tl.constexpr, WIDE: tl.constexpr):""",
+         """def _load_tile(x_ptr, row_off, stride_d, mask, w_ptr, stride_w, D: tl.constexpr,
+               W_OFFSET: tl.constexpr, HF_NORM: tl.constexpr, INTERPRETER: tl.constexpr,
+               WIDE: tl.constexpr):"""),
+    Edit(KERNEL, """    w_lo = _load_weight(w_ptr, d_lo, stride_w, W_OFFSET, INTERPRETER, WIDE)
+    w_hi = _load_weight(w_ptr, d_hi, stride_w, W_OFFSET, INTERPRETER, WIDE)
+""", """    if HF_NORM and W_OFFSET == 0.0 and not INTERPRETER:
+        zero = row_off * 0
+        w_lo = tl.load(w_ptr + (zero + _index(d_lo, WIDE)[None, None, :] * stride_w))
+        w_hi = tl.load(w_ptr + (zero + _index(d_hi, WIDE)[None, None, :] * stride_w))
+        w_lo, w_hi = w_lo.to(tl.float32), w_hi.to(tl.float32)
+    else:
+        w_lo = _load_weight(w_ptr, d_lo, stride_w, W_OFFSET, INTERPRETER, WIDE)
+        w_hi = _load_weight(w_ptr, d_hi, stride_w, W_OFFSET, INTERPRETER, WIDE)
+"""),
+    Edit(KERNEL, "stride_q_w, D, W_OFFSET, INTERPRETER, WIDE)",
+         "stride_q_w, D, W_OFFSET, HF_NORM, INTERPRETER,\n"
+         "                                                WIDE)"),
+    Edit(KERNEL, "stride_k_w, D, W_OFFSET, INTERPRETER, WIDE)",
+         "stride_k_w, D, W_OFFSET, HF_NORM, INTERPRETER,\n"
+         "                                                WIDE)")]
+
 #: name -> (what it probes, edits).
 VARIANTS: dict[str, tuple[str, list[Edit]]] = {
     "skeleton": ("loads and stores only, no norm, rotation or trig: a lower bound for this "
@@ -143,6 +173,11 @@ VARIANTS: dict[str, tuple[str, list[Edit]]] = {
     "bf16_unpack": ("every bf16 -> fp32 conversion of the GPU path as a shift and a mask a "
                     "register of two elements, not an extract and shift each; the same bits",
                     _BF16_UNPACK),
+    "hf_weights_rows": ("HF's norm rounding: the weights loaded in the rows' shape, so the "
+                        "weight product stays a bf16 multiply; the same values",
+                        _HF_WEIGHTS_ROWS),
+    "bf16_unpack_hf": ("bf16_unpack and hf_weights_rows together", _BF16_UNPACK
+                       + _HF_WEIGHTS_ROWS),
 }
 
 
