@@ -153,7 +153,7 @@ def main() -> None:
         a = quant.prepare(row_inputs(row, device=device, generator=g, cache_capacity=cache_len,
                                      geometry=model))
         reference = qkrope.reference_paged if row.paged else qkrope.reference
-        # partial rotary, (1 + w) norms
+        # the model's partial rotary and (1 + w) norms, and the norm rounding asked for
         fields = dict(model.options(), norm_rounding=args.norm_rounding)
         opts = row_options(row, **fields)
         kw = quant.call_kwargs(a)

@@ -120,12 +120,12 @@ def _f32("""),
         return x.to(tl.float32)
 """)]
 
-# HF's Qwen3 norm (norm_rounding="hf") multiplies the weight and the rounded normalised row in
-# bf16. Loaded as [1, 1, D/2] the weights cross to the rows' layout in fp32 through shared memory,
-# and LLVM no longer sees a bf16 operand: an FMUL and a rounding an element. Loaded in the rows'
-# own shape (zero strides along heads and tokens; L1 hits), they stay bf16 into the product,
-# which becomes a native bf16 multiply a pair. The same values (the fp32 product of two bf16
-# values is exact, so one rounding either way); the GPU path only.
+# HF's Qwen3 norm (norm_rounding="hf") multiplies the weight and the rounded normalised row
+# in bf16. Loaded as [1, 1, D/2], the weights cross to the rows' layout in fp32 through shared
+# memory, and LLVM no longer sees a bf16 operand: an FMUL and a rounding an element. Loaded in
+# the rows' own shape (zero strides along heads and tokens; L1 hits), they stay bf16 into the
+# product, a native bf16 multiply a pair. The same values (the fp32 product of two bf16 values
+# is exact, so one rounding either way); the GPU path only.
 _HF_WEIGHTS_ROWS = [
     Edit(KERNEL, """def _load_tile(x_ptr, row_off, stride_d, mask, w_ptr, stride_w, D: tl.constexpr,
                W_OFFSET: tl.constexpr, INTERPRETER: tl.constexpr, WIDE: tl.constexpr):""",
