@@ -40,7 +40,7 @@ from variants import VARIANTS, variant_kernel  # noqa: E402
 from qkrope._interpret import interpreting  # noqa: E402
 from qkrope.bench import quant as quant_modes  # noqa: E402
 from qkrope.ops.qknorm_rope import launcher  # noqa: E402
-from qkrope.ops.qknorm_rope.checks import scalar_on  # noqa: E402
+from qkrope.ops.qknorm_rope.checks import NORM_ROUNDINGS, scalar_on  # noqa: E402
 from qkrope.suite import DEFAULT_MODEL, MODELS, check_outputs  # noqa: E402
 
 DEFAULT_CONFIGS = ["pick", "1,1,1,1", "2,1,1,1", "2,2,1,1", "8,8,1,2", "16,8,1,2", "32,8,1,4",
@@ -106,7 +106,7 @@ def main() -> None:
                         "only the GPU code path, so there they pass like production)")
     p.add_argument("--model", default=DEFAULT_MODEL.name, choices=sorted(MODELS),
                    help="head geometry of the rows (default: the suite's 96/8/128)")
-    p.add_argument("--norm-rounding", default="weight_fp32", choices=("weight_fp32", "hf"),
+    p.add_argument("--norm-rounding", default="weight_fp32", choices=NORM_ROUNDINGS,
                    help="the op's norm_rounding (hf: the HF integration's Qwen3 rounding)")
     p.add_argument("--json", metavar="PATH", help="write every timed call here")
     quant_modes.add_arguments(p)
