@@ -184,8 +184,9 @@ def main() -> None:
                 times[name] += cupti_call_times_us(call, flush, iters=args.iters)
         med = sorted((statistics.median(t), name) for name, t in times.items())
         print(f"#{row.label} {w.name} floor {quant.bytes_moved(w, model) / bw * 1e6:.2f} µs, "
-              f"pick_config {pick}: " + "  ".join(f"({name})={t:.2f}{'' if ok[name] == 'ok' else ' WRONG'}"
-                                       for t, name in med)
+              f"pick_config {pick}: "
+              + "  ".join(f"({name})={t:.2f}{'' if ok[name] == 'ok' else ' WRONG'}"
+                          for t, name in med)
               + "".join(f"  ({name}) {ok[name]}" for name, _, _ in candidates
                         if name not in times), flush=True)
         log[row.label] = dict(pick=pick, correct=ok, times=times)

@@ -68,8 +68,8 @@ BENCH_EPILOG = f"""\
 exit status: 0 when every qkrope check passes (a failing peer is only reported), 1 when a
 qkrope output is wrong or its call fails, or a workload's inputs cannot be allocated,
 {EXIT_USAGE} for a request that cannot be honoured (checked before any work, a cache too big
-for this machine's memory included), {EXIT_INTERRUPTED} when interrupted (Ctrl-C; --json keeps the partial
-results)."""
+for this machine's memory included), {EXIT_INTERRUPTED} when interrupted (Ctrl-C; --json keeps
+the partial results)."""
 
 
 def _shape(text: str) -> Workload:

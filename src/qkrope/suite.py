@@ -122,7 +122,8 @@ def _norm_weights(D: int, benchmark_weights: bool, randn, device, dtype):
     """q/k norm weights: the benchmark's all-ones, or random ``1 + 0.5 * randn`` (default: a
     kernel that ignored the weights would pass on all-ones)."""
     if benchmark_weights:
-        return (torch.ones(D, device=device, dtype=dtype), torch.ones(D, device=device, dtype=dtype))
+        ones = torch.ones(D, device=device, dtype=dtype)
+        return ones, ones.clone()
     return 1 + 0.5 * randn(D), 1 + 0.5 * randn(D)
 
 

@@ -140,6 +140,7 @@ def check_disjoint(written: dict[str, torch.Tensor], read: dict[str, torch.Tenso
                     continue
             if may_overlap(w, t):
                 allowed = [f"{a} may be {b} itself" for a, b in ok if name in (a, b)]
-                hint = f" ({'; '.join(allowed)}: the same view, no other overlap)" if allowed else ""
+                hint = (f" ({'; '.join(allowed)}: the same view, no other overlap)"
+                        if allowed else "")
                 raise ValueError(f"{name} overlaps {other} in memory: the kernel would read "
                                  f"data it has already overwritten{hint}")

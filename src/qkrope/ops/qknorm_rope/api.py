@@ -5,10 +5,10 @@ A call goes public function -> (a repeated signature: the native fast path) -> `
 kernel; they differ only in how activations and caches are laid out:
 
 ===============================================  ==================================================
-``fused_rope_with_qk_norm_and_kv_cache_update``  [B, H, S, D] activations, [B, Hkv, L, D] caches, one
-                                                 cache row per token for every batch element
-                                                 (``cache_position``); returns 4 tensors, the
-                                                 public benchmark's convention.
+``fused_rope_with_qk_norm_and_kv_cache_update``  [B, H, S, D] activations, [B, Hkv, L, D] caches,
+                                                 one cache row per token for every batch
+                                                 element (``cache_position``); returns 4
+                                                 tensors, the public benchmark's convention.
 ``fused_qk_norm_rope_paged``                     token-major [T, H, D] activations, paged caches
                                                  addressed per token (``slot_mapping``); returns
                                                  2 tensors, the caches written in place (serving
@@ -221,10 +221,10 @@ def fused_qk_norm_rope_paged(
             [3, T] with ``mrope_section``.
         key_cache, value_cache: paged caches, ``cache_layout="NHD"``: [num_blocks, block_size,
             Hkv, D]; ``"HND"``: [num_blocks, Hkv, block_size, D]; dtype of ``query``,
-            ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``; any strides: separate tensors or views of one allocation
-            (e.g. vLLM's packed [num_blocks, Hkv, block_size, 2 D], K and V its two halves). A
-            contiguous per-sequence cache [B, Hkv, L, D] is ``"HND"`` with block_size L: slot
-            ``b * L + row``.
+            ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``; any strides: separate tensors or
+            views of one allocation (e.g. vLLM's packed [num_blocks, Hkv, block_size, 2 D], K
+            and V its two halves). A contiguous per-sequence cache [B, Hkv, L, D] is ``"HND"``
+            with block_size L: slot ``b * L + row``.
         slot_mapping: [T] int32/int64; token t goes to block ``slot // block_size``, offset
             ``slot % block_size``. Slots < 0 (CUDA-graph padding) or past the cache are skipped.
             A slot named twice ends up holding one of its tokens' values per element, unspecified
