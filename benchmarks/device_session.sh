@@ -25,7 +25,8 @@
 #                                                  # others pass the 600 s a call may take)
 #   bash benchmarks/device_session.sh quant [MODES] # qkrope only, bf16 vs each quantised mode,
 #                                                  # both layouts (~3 min; one file per layout),
-#                                                  # then host_probe --modes; MODES (e.g.
+#                                                  # the ratio table (quant_table.py), then
+#                                                  # host_probe --modes; MODES (e.g.
 #                                                  # bf16,fp8,fp8-pth-q8): those, no host table
 #   bash benchmarks/device_session.sh tiles      # tile sweep on the mid-size workloads
 #   bash benchmarks/device_session.sh small-tiles # one head per program vs tiles, 1-64 tokens, 5 models
@@ -142,6 +143,7 @@ case "${1:-tests}" in
         echo "$layout $mode $(grep "^rc=" /tmp/quant-run.md)"; grep -E "Geometric" /tmp/quant-run.md
       done
     done
+    python3 benchmarks/quant_table.py "$OUT"  # the ratios to bf16 (BENCHMARKS.md's table)
     # host time per call, each mode against bf16 outputs in one process, runs alternating
     [ -n "${2:-}" ] || timeout 120 python3 benchmarks/host_probe.py --rows 1,2,p1,p2 --calls 1000 \
       --modes fp8,fp8-pth-q8,int8-pth 2>&1 | tee "$OUT/quant-host.md" ;;
