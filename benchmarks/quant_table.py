@@ -52,7 +52,8 @@ def geomean(values: list[float]) -> float:
 def table(runs: dict[str, dict[str, dict[str, tuple[float, str, bool]]]]) -> tuple[str, list[str]]:
     """The markdown table of ``{layout: parse(file)}`` and the list of problems found."""
     problems: list[str] = []
-    modes = [m for m in next(iter(runs.values())) if m != "bf16"]
+    modes = [m for m in dict.fromkeys(m for by_mode in runs.values() for m in by_mode)
+             if m != "bf16"]
     ratio = lambda r: f"**{r:.3f}**" if r > BOUND else f"{r:.3f}"  # noqa: E731
     head = ["row", "bf16 µs"] + [f"{m} {x}" for m in modes for x in ("µs", "÷ bf16")] \
         + [f"{m} % of copy" for m in ["bf16"] + modes]
