@@ -15,9 +15,9 @@ under the table; the exit status is then 1. No GPU needed.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
+from statistics import geometric_mean
 
 BOUND = 1.05  # issue 26, item 5: each quantised mode at most 1.05x the bf16 op's time
 LAYOUTS = {"bhsd": "", "paged": "p"}  # layout -> the row label's prefix (benchmarks/README.md)
@@ -45,10 +45,6 @@ def parse(text: str) -> dict[str, dict[str, tuple[float, str, bool]]]:
     return modes
 
 
-def geomean(values: list[float]) -> float:
-    return math.exp(sum(map(math.log, values)) / len(values))
-
-
 def table(runs: dict[str, dict[str, dict[str, tuple[float, str, bool]]]]) -> tuple[str, list[str]]:
     """The markdown table of ``{layout: parse(file)}`` and the list of problems found."""
     problems: list[str] = []
@@ -63,33 +59,25 @@ def table(runs: dict[str, dict[str, dict[str, tuple[float, str, bool]]]]) -> tup
         if not base:
             problems.append(f"{layout}: no bf16 run to compare with")
             continue
-        for m in modes:
-            if not by_mode.get(m):
-                problems.append(f"{layout} {m}: no timings (did its run fail?)")
-        ok = [m for m in modes if by_mode.get(m)]
+        problems += [f"{layout} {m}: no timings (did its run fail?)" for m in modes
+                     if not by_mode.get(m)]
         for row, (us, pct, good) in base.items():
-            cells = [LAYOUTS[layout] + row, f"{us:.2f}"]
-            for m in modes:
-                if m in ok and row in by_mode[m]:
-                    mus, _, mgood = by_mode[m][row]
-                    cells += [f"{mus:.2f}", ratio(mus / us)]
-                    if not mgood:
-                        problems.append(f"{layout} {m} row {row}: wrong after dequantisation")
-                else:
-                    cells += ["—", "—"]
-            cells += [pct] + [by_mode[m][row][1] if m in ok and row in by_mode[m] else "—"
-                              for m in modes]
             if not good:
                 problems.append(f"{layout} bf16 row {row}: wrong")
-            lines.append("| " + " | ".join(cells) + " |")
-        g0 = geomean([v[0] for v in base.values()])
+            cells, pcts = [LAYOUTS[layout] + row, f"{us:.2f}"], [pct]
+            for m in modes:
+                mus, mpct, mgood = by_mode.get(m, {}).get(row, (None, "—", True))
+                cells += ["—", "—"] if mus is None else [f"{mus:.2f}", ratio(mus / us)]
+                pcts.append(mpct)
+                if not mgood:
+                    problems.append(f"{layout} {m} row {row}: wrong after dequantisation")
+            lines.append("| " + " | ".join(cells + pcts) + " |")
+        g0 = geometric_mean(v[0] for v in base.values())
         cells = [f"{layout} geomean", f"{g0:.2f}"]
         for m in modes:
-            if m in ok and by_mode[m].keys() == base.keys():
-                g = geomean([v[0] for v in by_mode[m].values()])
-                cells += [f"{g:.2f}", ratio(g / g0)]
-            else:
-                cells += ["—", "—"]
+            got = by_mode.get(m, {})
+            g = geometric_mean(v[0] for v in got.values()) if got.keys() == base.keys() else None
+            cells += ["—", "—"] if g is None else [f"{g:.2f}", ratio(g / g0)]
         lines.append("| " + " | ".join(cells + [""] * (1 + len(modes))) + " |")
     return "\n".join(lines), problems
 
